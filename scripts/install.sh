@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install meshfit into the current Python (>= 3.10). `--test` also installs the test tools.
+#
+# torch: an installed torch >= 2.11 is reused as it is. Otherwise MESHFIT_TORCH is installed, by default
+# torch==2.13.0 (on machines that keep a local CPU wheel of it, pip takes that file; elsewhere pick your
+# build, e.g. MESHFIT_TORCH="torch --index-url https://download.pytorch.org/whl/cpu").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+
+if ! "$PY" - <<'PYCHECK' 2>/dev/null; then
+import sys, torch
+major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(0 if (major, minor) >= (2, 11) else 1)
+PYCHECK
+  echo "installing ${MESHFIT_TORCH:-torch==2.13.0}"
+  # shellcheck disable=SC2086
+  "$PY" -m pip install --quiet --disable-pip-version-check ${MESHFIT_TORCH:-torch==2.13.0}
+fi
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".${extras}"

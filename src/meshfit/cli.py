@@ -1,0 +1,90 @@
+"""Command line: `meshfit train` and `meshfit demo`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from meshfit.config import ConfigError, load_config
+
+_EPILOG = """\
+examples:
+  meshfit demo                                     the seed scenario on local CPU ranks
+  meshfit train --set model.preset=small --nproc 2 --set parallel.dp_replicate=2
+  meshfit train --config run.toml --set train.steps=100 --run-dir runs/exp1
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+      -m meshfit train --config run.toml           multi-node: one launch per node
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _default_run_dir(kind: str) -> Path:
+    return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshfit", description="Plan, verify and train models that do not fit in one device's memory.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="train a layout (one rank, --nproc local ranks, or under torchrun)",
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    train.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON config with sections "
+                       "model, parallel, train, data")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one config value (repeatable), e.g. --set train.steps=50")
+    train.add_argument("--nproc", type=_positive_int, metavar="N",
+                       help="launch N local ranks through torchrun's machinery (default: one rank in this "
+                            "process, or the ranks of an enclosing torchrun)")
+    train.add_argument("--run-dir", type=Path, metavar="DIR",
+                       help="where config.yaml, metrics.jsonl and result.json go (default runs/train-<time>)")
+    demo = sub.add_parser("demo", help="the seed scenario: a model over a per-rank memory budget")
+    demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
+    demo.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
+    return parser
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from meshfit.train.launch import launch, under_torchrun
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = args.run_dir or _default_run_dir("train")
+    outcome = launch(cfg, run_dir, args.nproc)
+    if under_torchrun():
+        # Leave without interpreter teardown (gloo's teardown race); exit code tells torchrun the outcome.
+        sys.stdout.flush()
+        os._exit(0 if outcome.ok else 1)
+    if not outcome.ok:
+        print(f"error: {outcome.message}", file=sys.stderr)
+        return 1
+    result = outcome.result
+    print(f"done: {result['steps']} steps, final loss {result['final_loss']:.4f}; metrics in {run_dir}/metrics.jsonl")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from meshfit.demo import run_demo
+
+    return run_demo(args.run_dir or _default_run_dir("demo"), nproc=args.nproc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": _cmd_train, "demo": _cmd_demo}[args.command](args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,217 @@
+"""Typed, validated run configuration: sections model / parallel / train / data.
+
+A config comes from a TOML, YAML or JSON file plus repeated ``--set section.key=value`` overrides.
+Everything is validated here, before any rank starts, so a bad value is reported once with the field
+name and what would be valid instead of surfacing as a stack trace on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from meshfit.units import parse_bytes
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the valid choices."""
+
+
+class _Section(BaseModel):
+    # extra="forbid" turns a typo such as `train.stpes` into an error naming the unknown key.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """A named preset, optionally with any of its dimensions overridden."""
+
+    preset: str = "tiny"
+    family: Literal["llama", "gpt"] | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab_size: int | None = None
+    ffn_hidden: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+    dropout: float | None = None
+
+    def resolve(self):  # -> meshfit.models.ModelConfig (import kept local: models import torch)
+        """The preset's ModelConfig with this section's overrides applied and validated."""
+        from meshfit.models import get_preset
+
+        try:
+            base = get_preset(self.preset)
+        except ValueError as exc:
+            raise ConfigError(f"model.preset: {exc}") from None
+        overrides = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
+        cfg = dataclasses.replace(base, **overrides)
+        try:
+            cfg.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return cfg
+
+
+def _degree(value: int) -> int:
+    if value == 0 or value < -1:
+        raise ValueError("must be a positive degree, or -1 for 'the rest of the world size'")
+    return value
+
+
+class ParallelSection(_Section):
+    """Degrees of each parallel dimension; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    _check = field_validator("dp_replicate", "dp_shard", "tp", "pp")(_degree)
+
+
+class TrainSection(_Section):
+    steps: int = 20
+    seed: int = 0
+    global_batch: int = 8
+    micro_batch: int | None = None  # sequences per rank per forward; None = the whole local batch
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    memory_budget: int | None = None  # bytes of tracked tensor memory per rank
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    peak_flops: float | None = None  # per device, for MFU; None = measured (CPU) or catalog (GPU)
+    log_every: int = 1
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> int | None:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        size = parse_bytes(value)
+        if size <= 0:
+            raise ValueError("must be a positive size such as 300MiB or 2GB")
+        return size
+
+    @field_validator("steps", "global_batch", "seq_len", "log_every")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("micro_batch")
+    @classmethod
+    def _micro(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be a positive integer (sequences per rank per forward pass)")
+        return value
+
+    @field_validator("lr", "grad_clip")
+    @classmethod
+    def _non_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must be ≥ 0")
+        return value
+
+
+class DataSection(_Section):
+    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    path: str | None = None
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    token_dtype: Literal["uint16", "uint32", "int32", "int64"] | None = None
+
+
+class Config(_Section):
+    model: ModelSection = ModelSection()
+    parallel: ParallelSection = ParallelSection()
+    train: TrainSection = TrainSection()
+    data: DataSection = DataSection()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+SECTIONS = tuple(Config.model_fields)
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            section = err["loc"][0] if len(err["loc"]) > 1 else None
+            valid = Config.model_fields[section].annotation.model_fields if section in SECTIONS else Config.model_fields
+            msg = f"unknown key; valid keys: {', '.join(valid)}"
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) or err["type"] == "extra_forbidden" else f" (got {got!r})"
+        lines.append(f"{field}: {msg}{shown}")
+    return ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(lines))
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: unknown format {path.suffix!r}; use .toml, .yaml, .yml or .json")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be parsed: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)})")
+    return data
+
+
+def _scalar(text: str) -> Any:
+    # Pydantic coerces strings to numbers and booleans; only null needs translating here.
+    return None if text.strip().lower() in ("null", "none", "~") else text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings to a raw config mapping (returns a new mapping)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=50")
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+        out.setdefault(section, {})[name] = _scalar(value)
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a config file (optional) and apply overrides; raises ConfigError naming each bad field."""
+    data = _read_file(Path(path)) if path else {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise _format_validation_error(exc, str(path) if path else "--set") from None
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise _format_validation_error(exc, "dict") from None

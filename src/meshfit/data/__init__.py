@@ -1,0 +1,60 @@
+"""Training data: deterministic, resumable, rank-partitioned token batches.
+
+Typical use::
+
+    source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=V, seed=seed)
+    batches = TokenBatches(source, seq_len=T, global_batch=B, dp_rank=r, dp_size=n, name=cfg.data.path)
+    inputs, targets = batches.next_batch()
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from meshfit.data.errors import DataError
+from meshfit.data.files import load_token_file, tokenize_text, write_token_file
+from meshfit.data.loader import TokenBatches
+from meshfit.data.synthetic import MarkovSource
+
+__all__ = [
+    "DataError",
+    "MarkovSource",
+    "TokenBatches",
+    "load_token_file",
+    "make_source",
+    "tokenize_text",
+    "write_token_file",
+]
+
+SOURCES = ("synthetic", "text", "tokens")
+
+
+def make_source(
+    source: str,
+    *,
+    path: str | os.PathLike | None,
+    vocab_size: int,
+    seed: int,
+    tokenizer: str = "byte",
+    cache_dir: str | os.PathLike | None = None,
+    token_dtype: str | None = None,
+) -> MarkovSource | np.ndarray:
+    """Build what ``TokenBatches`` reads from the ``data.*`` settings.
+
+    ``synthetic`` ignores ``path``; ``text`` and ``tokens`` require it. ``seed``
+    only affects the synthetic language.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"data.source={source!r} is not valid; choose one of {', '.join(SOURCES)}")
+    if source == "synthetic":
+        return MarkovSource(vocab_size, seed)
+    if path is None:
+        what = "a UTF-8 .txt file or a directory of .txt files" if source == "text" else "a .npy or .bin token file"
+        raise ValueError(f"data.path is required when data.source={source!r}: give {what}")
+    if source == "text":
+        if tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"data.tokenizer={tokenizer!r} is not valid; choose one of byte, bpe")
+        return tokenize_text(path, tokenizer, vocab_size, cache_dir)
+    return load_token_file(path, vocab_size, dtype=token_dtype)

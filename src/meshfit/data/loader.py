@@ -1,0 +1,171 @@
+"""Deterministic, resumable, data-parallel batches of token sequences.
+
+Sample model: global sequence ``g`` holds ``seq_len + 1`` tokens (inputs are
+``[:-1]``, targets ``[1:]``). Training step ``k`` consumes global sequences
+``[k * global_batch, (k + 1) * global_batch)``, and data-parallel rank ``r``
+takes the contiguous rows ``[r * local, (r + 1) * local)`` of that range,
+``local = global_batch // dp_size``.
+
+For a token array of ``n`` tokens the stream is cut into
+``W = (n - 1) // seq_len`` windows of ``seq_len + 1`` tokens that start
+``seq_len`` apart, so each token after the first is a target exactly once per
+pass. Sequence ``g`` is window ``g % W`` (``g // W`` is the epoch); the last
+``(n - 1) % seq_len`` tokens are never targets. A ``MarkovSource`` provides
+sequence ``g`` directly.
+
+The position is a count of global sequences, so a checkpoint resumes on the
+same data under any ``dp_size`` that divides ``global_batch``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfit.data.errors import DataError
+from meshfit.data.synthetic import MarkovSource
+
+
+class TokenBatches:
+    """The batches one data-parallel rank trains on, step after step."""
+
+    def __init__(
+        self,
+        source: MarkovSource | np.ndarray,
+        *,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        name: str | None = None,
+    ) -> None:
+        # `name` is what error messages call the data; memmaps from
+        # load_token_file already carry their file name.
+        self.file = name or _default_name(source)
+        _check_shape(self.file, seq_len, global_batch, dp_rank, dp_size)
+        if not isinstance(source, MarkovSource):
+            source = np.asarray(source)  # accepts memmaps (no copy), lists and CPU tensors
+        self.source = source
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.local_batch = global_batch // dp_size
+        self.sequences_consumed = 0
+        self.windows_per_epoch: int | None = None
+        if not isinstance(source, MarkovSource):
+            self.windows_per_epoch = _windows(self.file, source, seq_len)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenBatches({self.file}, seq_len={self.seq_len}, global_batch={self.global_batch}, "
+            f"dp_rank={self.dp_rank}/{self.dp_size}, sequences_consumed={self.sequences_consumed})"
+        )
+
+    @property
+    def step(self) -> int:
+        """Number of steps (global batches) consumed so far."""
+        return self.sequences_consumed // self.global_batch
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over a token array (always 0 for synthetic data)."""
+        if self.windows_per_epoch is None:
+            return 0
+        return self.sequences_consumed // self.windows_per_epoch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(inputs, targets)``, both int64 ``[local_batch, seq_len]``, then advance one step."""
+        first = self.sequences_consumed + self.dp_rank * self.local_batch
+        seqs = self._sequences(first, self.local_batch)
+        self.sequences_consumed += self.global_batch
+        # Contiguous copies so a trainer can .view(-1) targets for the loss.
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def __iter__(self) -> TokenBatches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sequences_consumed": self.sequences_consumed,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "step": self.step,
+            "epoch": self.epoch,
+            "source": _describe(self.source),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved position; ``dp_rank``/``dp_size`` may differ from the saving run."""
+        missing = {"sequences_consumed", "global_batch", "seq_len"} - state.keys()
+        if missing:
+            raise DataError(f"{self.file}: data state is missing {sorted(missing)}; it was not saved by TokenBatches")
+        for key in ("global_batch", "seq_len"):
+            if state[key] != getattr(self, key):
+                raise DataError(
+                    f"{self.file}: cannot resume: data state was saved with {key}={state[key]}, now "
+                    f"{getattr(self, key)}; the saved position counts sequences of the old shape and cannot "
+                    f"be mapped onto the new one. Resume with global_batch={state['global_batch']} and "
+                    f"seq_len={state['seq_len']} (dp size may change), or start a fresh run."
+                )
+        if "source" in state and state["source"] != _describe(self.source):
+            # Not fatal: switching data on purpose is legitimate, but silently
+            # resuming on different data usually is not.
+            warnings.warn(f"resuming data position saved for {state['source']} on {_describe(self.source)}")
+        self.sequences_consumed = int(state["sequences_consumed"])
+
+    def _sequences(self, first: int, count: int) -> torch.Tensor:
+        length = self.seq_len + 1
+        if isinstance(self.source, MarkovSource):
+            return self.source.sequences(range(first, first + count), length)
+        starts = (np.arange(first, first + count) % self.windows_per_epoch) * self.seq_len
+        # Fancy indexing reads only these rows from a memmap.
+        rows = self.source[starts[:, None] + np.arange(length)]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def _default_name(source: object) -> str:
+    if isinstance(source, MarkovSource):
+        return repr(source)
+    filename = getattr(source, "filename", None)
+    return str(filename) if filename else "token array"
+
+
+def _describe(source: object) -> str:
+    """Short identity of the data, stored in the state to catch resuming on other data."""
+    if isinstance(source, MarkovSource):
+        return repr(source)
+    return f"token array of {len(source)} tokens"
+
+
+def _check_shape(name: str, seq_len: int, global_batch: int, dp_rank: int, dp_size: int) -> None:
+    if seq_len < 1 or global_batch < 1 or dp_size < 1:
+        raise DataError(
+            f"{name}: seq_len, global_batch and dp_size must be >= 1 "
+            f"(got {seq_len}, {global_batch}, {dp_size})"
+        )
+    if global_batch % dp_size:
+        valid = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+        raise DataError(
+            f"{name}: global_batch={global_batch} is not divisible by dp_size={dp_size}; "
+            f"valid dp sizes: {', '.join(map(str, valid))}"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"{name}: dp_rank={dp_rank} is out of range for dp_size={dp_size}; valid: 0..{dp_size - 1}")
+
+
+def _windows(name: str, tokens: np.ndarray, seq_len: int) -> int:
+    if tokens.ndim != 1:
+        raise DataError(f"{name}: token array has shape {tokens.shape}; it must be 1-D")
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"{name}: has {len(tokens)} tokens; one sequence needs seq_len+1 = {seq_len + 1} "
+            "(use more data or a shorter seq_len)"
+        )
+    return (len(tokens) - 1) // seq_len

@@ -1,0 +1,106 @@
+"""`meshfit demo`: the seed scenario on local CPU ranks.
+
+A model whose weights + gradients + optimizer states + activations do not fit one rank's memory budget.
+Every layout trains the same model on the same data under the same per-rank budget. A layout that goes over
+is stopped by the budget at the operator that would not have fit; it is then run once more for one step
+without the budget, so the table shows how much it really needs. Results go to DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshfit.config import load_config
+from meshfit.train.launch import Outcome, launch
+from meshfit.units import fmt_bytes
+
+# ~4.3M parameters: 16 bytes/parameter of fp32 weights, gradients and AdamW states ≈ 69 MB per replica.
+DEMO_MODEL = ["model.preset=small", "model.dim=256", "model.n_layers=6", "model.vocab_size=4096",
+              "model.ffn_hidden=704", "model.n_heads=8", "model.n_kv_heads=4"]
+DEMO_TRAIN = ["train.steps=12", "train.global_batch=8", "train.seq_len=128", "train.lr=3e-3",
+              "train.warmup_steps=2", "train.log_every=4"]
+DEMO_BUDGET = "64MiB"
+
+
+@dataclass(frozen=True)
+class Trial:
+    name: str
+    overrides: list[str]
+    why: str  # what the layout keeps per rank, for the table
+
+
+def demo_trials(nproc: int) -> list[Trial]:
+    local = 8 // nproc
+    return [
+        Trial("ddp", [f"parallel.dp_replicate={nproc}", f"train.micro_batch={local}"],
+              "full replica of weights, grads and AdamW states on every rank"),
+        Trial("ddp-4x-batch", [f"parallel.dp_replicate={nproc}", f"train.global_batch={8 * 4}",
+                               f"train.micro_batch={local * 4}"],
+              "same replica; 4× the local batch adds activations"),
+    ]
+
+
+@dataclass
+class Entry:
+    layout: str
+    fits: bool
+    peak_mem_bytes: int | None
+    final_loss: float | None
+    why: str
+    mem: list[dict[str, int]] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "fits": self.fits, "peak_mem_bytes": self.peak_mem_bytes,
+                "final_loss": self.final_loss, "mem": self.mem, "error": self.error, "why": self.why}
+
+
+def _run_trial(trial: Trial, root: Path, nproc: int, budget: str, console: Console) -> Entry:
+    base = DEMO_MODEL + DEMO_TRAIN + trial.overrides
+    console.print(f"[bold]{trial.name}[/bold]: {trial.why} — training under a {budget} per-rank budget")
+    outcome = launch(load_config(None, base + [f"train.memory_budget={budget}"]), root / trial.name, nproc)
+    if outcome.ok:
+        res = outcome.result
+        return Entry(trial.name, True, res["peak_mem_bytes"], res["final_loss"], trial.why, res["mem"])
+    console.print(f"  [red]does not fit[/red]: {outcome.message}")
+    console.print("  measuring what it needs: one step without the budget")
+    probe: Outcome = launch(load_config(None, base + ["train.steps=1"]), root / f"{trial.name}-unbounded", nproc)
+    peak = probe.result["peak_mem_bytes"] if probe.ok else None
+    return Entry(trial.name, False, peak, None, trial.why, probe.result["mem"] if probe.ok else [], outcome.message)
+
+
+def _table(entries: list[Entry], budget: str) -> Table:
+    table = Table(title=f"per-rank memory under a {budget} budget (measured; most-loaded rank)")
+    for col in ("layout", "fits?", "peak", "params", "grads", "optim", "activations+other", "final loss"):
+        table.add_column(col, justify="left" if col in ("layout", "fits?") else "right")
+    for e in entries:
+        worst = max(e.mem, key=lambda m: m["peak"]) if e.mem else {}
+        table.add_row(e.layout, "[green]yes[/green]" if e.fits else "[red]no[/red]", fmt_bytes(e.peak_mem_bytes),
+                      *(fmt_bytes(worst.get(k)) for k in ("params", "grads", "optim", "activations_other")),
+                      f"{e.final_loss:.4f}" if e.final_loss is not None else "-")
+    return table
+
+
+def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET) -> int:
+    """Run every demo layout; print the table and write summary.json. Returns the exit code."""
+    console = Console()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if 8 % nproc:
+        console.print(f"[red]error:[/red] --nproc must divide the demo's global batch of 8 (use 1, 2, 4 or 8)")
+        return 2
+    entries = [_run_trial(t, run_dir, nproc, budget, console) for t in demo_trials(nproc)]
+    console.print(_table(entries, budget))
+    ddp, big = entries[0], entries[1]
+    if ddp.peak_mem_bytes and big.peak_mem_bytes:
+        console.print(f"A 4× larger local batch needs {fmt_bytes(big.peak_mem_bytes)} per rank instead of "
+                      f"{fmt_bytes(ddp.peak_mem_bytes)}: more activations, the same replicated model states.")
+    (run_dir / "summary.json").write_text(json.dumps([e.to_json() for e in entries], indent=2))
+    console.print(f"summary: {run_dir / 'summary.json'}")
+    return 0

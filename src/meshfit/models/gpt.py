@@ -1,0 +1,113 @@
+"""GPT-2/3-style decoder: learned positions, LayerNorm, GeLU MLP, multi-head attention.
+
+Module names mirror :mod:`meshfit.models.llama` (separate ``wq``/``wk``/``wv``/
+``wo``, ``feed_forward.w1``/``w2``) so the same tensor-parallel plans apply.
+Forward code infers head counts from tensor shapes, and top-level pieces may
+be ``None`` for pipeline stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.dim, cfg.dim)
+        self.wk = nn.Linear(cfg.dim, cfg.dim)
+        self.wv = nn.Linear(cfg.dim, cfg.dim)
+        self.wo = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        bs, seqlen = q.shape[:2]
+        # -1: local head count, which tensor parallelism divides by its degree.
+        q, k, v = (t.view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        dropout_p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)  # up
+        self.act = nn.GELU(approximate="tanh")  # GPT-2's GeLU
+        self.w2 = nn.Linear(hidden, dim)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.resid_drop(self.attention(self.attention_norm(x)))
+        return h + self.resid_drop(self.feed_forward(self.ffn_norm(h)))
+
+
+class GPT(nn.Module):
+    """Decoder-only GPT transformer mapping tokens ``[b, s]`` to logits ``[b, s, vocab]``.
+
+    Pipeline stages: with ``tok_embeddings`` set to ``None`` the input is
+    hidden states ``[b, s, dim]`` (positions and embedding dropout were
+    applied by the first stage); with ``norm``/``output`` set to ``None``
+    hidden states are returned.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): GPTBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the same Parameter as ``tok_embeddings.weight`` when tied."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() (meta -> real device) replaces each parameter separately,
+        # which would silently untie the shared weight.
+        out = super()._apply(fn, recurse)
+        self.tie_weights()
+        return out
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            seqlen = tokens.shape[1]
+            max_len = self.pos_embeddings.num_embeddings
+            if seqlen > max_len:
+                raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={max_len}")
+            h = h + self.pos_embeddings(torch.arange(seqlen, device=tokens.device))
+        return self.drop(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self._embed(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

@@ -1,0 +1,158 @@
+"""Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention.
+
+Forward code infers head counts from tensor shapes, never from the config,
+so the same module runs unchanged after tensor parallelism shards the
+projections (each rank then holds fewer heads). Top-level pieces may be set
+to ``None`` and layers deleted from ``layers`` to form a pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.models.config import ModelConfig
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed RoPE cos/sin tables of shape ``[max_seq_len, head_dim]``.
+
+    The tables are non-persistent buffers: they are not checkpointed and are
+    recomputed by :meth:`init_buffers` after ``to_empty`` materializes a
+    meta-device model.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_seq_len = max_seq_len
+        self.theta = theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        device = self.cos.device
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (self.theta ** (half / self.head_dim))
+        positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)
+        # Same angle for channel i and i + head_dim/2 ("rotate half" layout).
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[b, s, heads, head_dim]`` by the first ``s`` positions."""
+    seqlen = x.shape[1]
+    if seqlen > cos.shape[0]:
+        raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}")
+    cos = cos[:seqlen].unsqueeze(1)  # [s, 1, head_dim], broadcast over heads
+    sin = sin[:seqlen].unsqueeze(1)
+    # fp32 rotation: bf16 angles lose precision at large positions.
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        bs, seqlen = q.shape[:2]
+        # -1: local head counts, which tensor parallelism divides by its degree.
+        q = q.view(bs, seqlen, -1, self.head_dim)
+        k = k.view(bs, seqlen, -1, self.head_dim)
+        v = v.view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            # Explicit repeat rather than enable_gqa: every SDPA backend
+            # (flash, memory-efficient, cuDNN) accepts equal head counts.
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only Llama transformer mapping tokens ``[b, s]`` to logits ``[b, s, vocab]``.
+
+    Pipeline stages: with ``tok_embeddings`` set to ``None`` the input is
+    hidden states ``[b, s, dim]``; with ``norm``/``output`` set to ``None``
+    hidden states are returned.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the same Parameter as ``tok_embeddings.weight`` when tied."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() (meta -> real device) replaces each parameter separately,
+        # which would silently untie the shared weight.
+        out = super()._apply(fn, recurse)
+        self.tie_weights()
+        return out
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope.cos, self.rope.sin
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

@@ -1,0 +1,82 @@
+"""Run a function on N gloo ranks from a test (or any script) and get every rank's return value.
+
+    results = run_ranks(fn, 2, arg1, arg2, timeout_s=120)
+
+`fn(*args)` must be importable (defined at module level). Each rank is a fresh spawned process with the
+torchrun environment variables set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free
+port) and a gloo process group already initialized; the group is torn down afterwards and the process ends
+with os._exit (gloo's teardown race). If any rank raises, the others are killed at once and the error is
+raised here with that rank's traceback; past the timeout every rank is killed and TimeoutError raised.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from meshfit.train.launch import free_port
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        value = fn(*args)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put((rank, False, traceback.format_exc()))
+        code = 1
+    os._exit(code)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Run fn(*args) on `world_size` gloo ranks; returns the values in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(values))} did not finish "
+                                   f"within {timeout_s:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    raise RankFailed(f"a rank died with exit code {dead[0]} without reporting") from None
+                continue
+            if not ok:
+                raise RankFailed(f"rank {rank} failed:\n{value}")
+            values[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(values) == world_size else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [values[r] for r in range(world_size)]

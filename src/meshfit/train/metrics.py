@@ -1,0 +1,93 @@
+"""Per-step metrics: the JSON-lines file, console progress, and the MFU estimate.
+
+MFU = tokens_per_s × flops_per_token / (world_size × peak_flops_per_device), where flops_per_token is
+6 × (matmul parameters, including the output head) + 12 × n_layers × dim × seq_len (attention scores and
+their weighted sum, forward and backward), the PaLM-paper convention. Recomputation is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshfit.units import fmt_bytes
+
+# Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity).
+_GPU_PEAK_BF16 = {
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12,
+    "L40S": 362e12, "RTX 4090": 165e12, "MI300X": 1307e12,
+}
+
+
+def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
+    """Achievable fp32 matmul FLOP/s of this process's threads: the CPU has no datasheet peak to use."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, configured: float | None) -> float | None:
+    if configured:
+        return configured
+    if device.type == "cpu":
+        return measure_cpu_flops()
+    name = torch.cuda.get_device_name(device)
+    for key, flops in _GPU_PEAK_BF16.items():
+        if key in name:
+            return flops
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: float | None) -> float | None:
+    if not peak:
+        return None
+    return tokens_per_s * flops_per_token / (world_size * peak)
+
+
+class MetricsLog:
+    """Rank 0's view: appends one JSON object per optimizer step and prints progress.
+
+    A rich progress bar when stdout is a terminal; plain log lines otherwise (files, CI, torchrun logs).
+    """
+
+    def __init__(self, path: Path | None, total_steps: int, log_every: int = 1, enabled: bool = True):
+        self.enabled = enabled
+        self.log_every = log_every
+        self.file = path.open("a") if (enabled and path) else None
+        self.progress = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.progress.start()
+
+    def record(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self.file:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        info = (f"loss {rec['loss']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
+                f"{rec['tokens_per_s']:.0f} tok/s | peak {fmt_bytes(rec['peak_mem_bytes'])}")
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, info=info)
+        elif rec["step"] % self.log_every == 0:
+            print(f"step {rec['step']:>5} | {info}", flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file:
+            self.file.close()

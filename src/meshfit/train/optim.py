@@ -1,0 +1,34 @@
+"""AdamW with linear warmup and cosine decay to `min_lr_ratio · lr`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from meshfit.config import TrainSection
+
+
+def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
+    """AdamW; weight decay only on matrices (norm gains, biases and 1-D tensors are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=True is the default on GPU; fixing it keeps CPU and GPU numerics on the same code path.
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, train.warmup_steps, train.steps, train.min_lr_ratio)
+    )

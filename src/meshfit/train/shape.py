@@ -1,0 +1,82 @@
+"""Cross-field checks of a config against the world size, done once before any rank starts.
+
+`resolve_run` turns a Config plus a world size into the concrete shape of the run (degrees, local and
+micro batch, accumulation steps) or raises ConfigError naming the field and the values that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshfit.config import Config, ConfigError
+from meshfit.parallel.dims import ParallelDims, divisors
+
+
+@dataclass(frozen=True)
+class RunShape:
+    dims: ParallelDims
+    local_batch: int  # sequences per data-parallel rank per optimizer step
+    micro_batch: int  # sequences per forward pass
+    accum_steps: int  # micro-batches per optimizer step
+
+
+def _check_supported(dims: ParallelDims) -> None:
+    unsupported = {"dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp}
+    for name, degree in unsupported.items():
+        if degree > 1:
+            raise ConfigError(
+                f"parallel.{name}={degree}: this version of meshfit trains data-parallel replicas only "
+                f"(parallel.dp_replicate); set parallel.{name}=1"
+            )
+
+
+def _batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int, int]:
+    gb, dp = cfg.train.global_batch, dims.dp
+    if gb % dp:
+        multiples = ", ".join(str(dp * k) for k in range(1, 5))
+        raise ConfigError(
+            f"train.global_batch={gb} is not divisible by the data-parallel degree {dp} "
+            f"(dp_replicate × dp_shard); valid global_batch values are multiples of {dp}: {multiples}, …"
+        )
+    local = gb // dp
+    micro = cfg.train.micro_batch or local
+    if local % micro:
+        raise ConfigError(
+            f"train.micro_batch={micro} does not divide the per-rank batch {local} (global_batch {gb} / "
+            f"data-parallel degree {dp}); valid micro_batch values: {', '.join(map(str, divisors(local)))}"
+        )
+    return local, micro, local // micro
+
+
+def _check_data(cfg: Config, vocab_size: int) -> None:
+    data = cfg.data
+    if data.source in ("text", "tokens"):
+        if not data.path:
+            raise ConfigError(f"data.path is required when data.source={data.source!r}")
+        if not Path(data.path).exists():
+            raise ConfigError(f"data.path={data.path!r} does not exist")
+    if data.source == "text" and data.tokenizer == "byte" and vocab_size < 256:
+        raise ConfigError(
+            f"data.tokenizer=byte needs model.vocab_size ≥ 256 (got {vocab_size}); raise model.vocab_size "
+            "or use data.tokenizer=bpe"
+        )
+
+
+def resolve_run(cfg: Config, world_size: int) -> RunShape:
+    """Validate `cfg` for `world_size` ranks; raises ConfigError with the field and valid choices."""
+    p = cfg.parallel
+    try:
+        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_supported(dims)
+    model = cfg.model.resolve()
+    if cfg.train.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+            f"use train.seq_len ≤ {model.max_seq_len} or raise model.max_seq_len"
+        )
+    _check_data(cfg, model.vocab_size)
+    local, micro, accum = _batch_shape(cfg, dims)
+    return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum)

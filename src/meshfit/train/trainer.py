@@ -1,0 +1,173 @@
+"""The training loop that runs on every rank.
+
+One optimizer step: the rank's part of the global batch is split into micro-batches; each runs forward and
+backward (gradient synchronization only on the last one); then gradients are clipped, the optimizer steps
+and gradients are freed. Every step is measured under the rank's memory tracker, which also enforces the
+memory budget, and rank 0 writes one metrics record with every rank's peak memory breakdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.config import Config
+from meshfit.data import TokenBatches, make_source
+from meshfit.memory.tracker import RankMemoryTracker, limit_cuda_memory
+from meshfit.models import build_model, flops_per_token
+from meshfit.parallel.dims import Meshes
+from meshfit.parallel.parallelize import parallelize
+from meshfit.train.dist import RankEnv
+from meshfit.train.metrics import MetricsLog, mfu, peak_flops
+from meshfit.train.optim import build_optimizer, build_scheduler
+from meshfit.train.shape import RunShape, resolve_run
+
+
+@dataclass
+class Run:
+    """Everything one rank holds for a training run."""
+
+    cfg: Config
+    env: RankEnv
+    shape: RunShape
+    meshes: Meshes
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    batches: TokenBatches
+    tracker: RankMemoryTracker
+    flops_per_token: float
+    peak_flops: float | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_run(cfg: Config, env: RankEnv, run_dir: Path | None) -> Run:
+    shape = resolve_run(cfg, env.world_size)
+    meshes = shape.dims.build_mesh(env.device.type)
+    model_cfg = cfg.model.resolve()
+    torch.manual_seed(cfg.train.seed)
+    model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg,
+                        device=env.device, seed=cfg.train.seed)
+    optimizer = build_optimizer(model, cfg.train)
+    source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
+                         seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
+                         cache_dir=str(run_dir) if run_dir else None)
+    batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
+                           dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp)
+    tracker = RankMemoryTracker(env.device, env.rank, cfg.train.memory_budget)
+    limit_cuda_memory(env.device, cfg.train.memory_budget)
+    tracker.track_external(model, optimizer)
+    return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
+               scheduler=build_scheduler(optimizer, cfg.train), batches=batches, tracker=tracker,
+               flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
+               peak_flops=peak_flops(env.device, cfg.train.peak_flops))
+
+
+def _autocast(run: Run) -> contextlib.AbstractContextManager:
+    if run.cfg.train.precision == "bf16":
+        return torch.autocast(run.env.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: bool) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its mean loss (detached)."""
+    no_sync = getattr(run.model, "no_sync", None)
+    ctx = contextlib.nullcontext() if (sync or no_sync is None) else no_sync()
+    with ctx:
+        run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
+        run.tracker.phase = "forward"
+        with _autocast(run):
+            logits = run.model(inputs.to(run.env.device))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(run.env.device).flatten())
+        run.tracker.phase = "backward"
+        (loss / run.shape.accum_steps).backward()
+    return loss.detach()
+
+
+def _optimizer_step(run: Run) -> torch.Tensor:
+    run.tracker.phase = "optimizer step"
+    max_norm = run.cfg.train.grad_clip or float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
+    value = value.clone()
+    dist.all_reduce(value, group=run.meshes.dp.get_group())
+    return float(value) / run.shape.dims.dp
+
+
+def train_step(run: Run) -> dict[str, Any]:
+    """One optimizer step; returns its metrics record (identical on every rank)."""
+    start = time.perf_counter()
+    lr = run.scheduler.get_last_lr()[0]
+    inputs, targets = run.batches.next_batch()
+    micro = run.shape.micro_batch
+    with run.tracker:
+        losses = [
+            _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))
+            for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro)))
+        ]
+        grad_norm = _optimizer_step(run)
+    loss = _mean_over_dp(run, torch.stack(losses).mean())
+    elapsed = time.perf_counter() - start
+    return _record(run, loss, float(grad_norm), lr, elapsed)
+
+
+def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:
+    mem = run.tracker.peak()
+    if run.env.device.type == "cuda":
+        mem["device_peak"] = torch.cuda.max_memory_allocated(run.env.device)
+        torch.cuda.reset_peak_memory_stats(run.env.device)
+    per_rank: list[dict[str, int]] = [{} for _ in range(run.env.world_size)]
+    dist.all_gather_object(per_rank, mem)
+    tokens = run.cfg.train.global_batch * run.cfg.train.seq_len
+    tps = tokens / elapsed
+    return {
+        "step": len(run.history) + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+        "tokens_per_s": tps, "step_time_s": elapsed,
+        "mfu": mfu(tps, run.flops_per_token, run.env.world_size, run.peak_flops),
+        "peak_mem_bytes": max(m["peak"] for m in per_rank), "mem": per_rank,
+    }
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """Run-level result: final loss and the worst step's per-rank memory."""
+    worst = max(run.history, key=lambda r: r["peak_mem_bytes"])
+    return {
+        "layout": run.shape.dims.describe(), "world_size": run.env.world_size, "steps": len(run.history),
+        "final_loss": run.history[-1]["loss"], "losses": [r["loss"] for r in run.history],
+        "grad_norms": [r["grad_norm"] for r in run.history],
+        "peak_mem_bytes": worst["peak_mem_bytes"], "mem": worst["mem"],
+        "mean_step_time_s": sum(r["step_time_s"] for r in run.history[1:]) / max(1, len(run.history) - 1),
+    }
+
+
+def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
+    """Train `cfg` on this rank; rank 0 writes metrics.jsonl and result.json into run_dir."""
+    run = build_run(cfg, env, run_dir)
+    is_main = env.rank == 0 and run_dir is not None
+    log = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, cfg.train.steps, cfg.train.log_every,
+                     enabled=env.rank == 0)
+    try:
+        for _ in range(cfg.train.steps):
+            run.history.append(train_step(run))
+            log.record(run.history[-1])
+    finally:
+        log.close()
+    result = summarize(run)
+    if is_main:
+        (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    return result

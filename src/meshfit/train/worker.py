@@ -1,0 +1,73 @@
+"""Entry point of one rank: `python -m meshfit.train.worker RUN_DIR` (started by torchrun's machinery).
+
+Reads RUN_DIR/config.yaml (written and validated by the launcher), trains, and on any error writes
+RUN_DIR/failures/rank<N>.json so the launcher can report one clear message. The process ends with
+os._exit after teardown: it avoids a gloo teardown race that can abort a rank after training finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshfit.config import Config, config_from_dict
+from meshfit.memory.tracker import MemoryBudgetExceeded
+from meshfit.train.dist import init_distributed, teardown
+from meshfit.train.trainer import train
+
+
+def failure_record(rank: int, exc: BaseException) -> dict[str, Any]:
+    record = {"rank": rank, "time": time.time(), "error": type(exc).__name__, "message": str(exc),
+              "traceback": traceback.format_exc()}
+    if isinstance(exc, MemoryBudgetExceeded):
+        record["budget"] = exc.to_dict()
+    return record
+
+
+def write_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
+    folder = run_dir / "failures"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps(failure_record(rank, exc), indent=2))
+
+
+def run_worker(run_dir: Path, cfg: Config | None = None) -> int:
+    """Train this rank; returns the exit code. Errors are reported in run_dir/failures, not raised."""
+    if cfg is None:
+        cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        env = init_distributed(cfg.train.device)
+        train(cfg, env, run_dir)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+        write_failure(run_dir, rank, exc)
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+        _abandon_group()
+        return 1
+    teardown()
+    return 0
+
+
+def _abandon_group() -> None:
+    # After a failure the other ranks may be inside a collective: no barrier, just drop the group.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    code = run_worker(Path(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

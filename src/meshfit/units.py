@@ -1,0 +1,42 @@
+"""Byte sizes as people write them ("300MiB", "2GB") and as meshfit prints them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse "300MiB", "2GB", "1.5 GiB" or a plain number of bytes; decimal units are powers of 1000."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 300MiB or 2GB, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative (got {value})")
+        return int(value)
+    match = _PATTERN.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {value!r} as a size; write a number with one of the units "
+            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 300MiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Human-readable binary size, e.g. 12.3 MiB."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
