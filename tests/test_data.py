@@ -38,8 +38,37 @@ def test_entropy_floor_matches_empirical_cross_entropy():
     floor = src.entropy_floor()
     assert 0 < floor < math.log(256) - 0.5
     seqs = src.sequences(range(200), 1000)
-    empirical = -torch.log(src.transition[seqs[:, :-1], seqs[:, 1:]]).mean().item()
+    empirical = -torch.log(src.transition_probs(seqs[:, :-1], seqs[:, 1:])).mean().item()
     assert empirical == pytest.approx(floor, rel=0.02)
+
+
+@pytest.mark.parametrize("vocab_size,k", [(16, 16), (50, 32), (300, 32)])
+def test_sparse_chain_is_a_proper_chain_with_exact_stationary_distribution(vocab_size, k):
+    src = MarkovSource(vocab_size, seed=2)
+    assert src.successors == k and src.successor_ids.shape == src.successor_probs.shape == (vocab_size, k)
+    assert all(len(set(row.tolist())) == k for row in src.successor_ids)  # distinct successors
+    prev = torch.arange(vocab_size).repeat_interleave(vocab_size)
+    dense = src.transition_probs(prev, torch.arange(vocab_size).repeat(vocab_size)).view(vocab_size, vocab_size)
+    assert torch.allclose(dense.sum(dim=1), torch.ones(vocab_size, dtype=torch.float64), atol=1e-12)
+    assert dense.min() > 0  # the uniform restart reaches every token
+    assert torch.allclose(src.stationary @ dense, src.stationary, atol=1e-13)
+    assert src.stationary.sum().item() == pytest.approx(1.0, abs=1e-12)
+    dense_floor = -(src.stationary @ torch.special.xlogy(dense, dense).sum(dim=1)).item()
+    assert src.entropy_floor() == pytest.approx(dense_floor, rel=1e-12)
+
+
+def test_llama3_sized_vocab_stores_only_sparse_rows():
+    vocab_size, k = 128_256, 32
+    src = MarkovSource(vocab_size, seed=0)
+    assert src.successor_ids.shape == src.successor_probs.shape == (vocab_size, k)
+    assert src.stationary.shape == (vocab_size,) and src.stationary.dtype == torch.float64
+    tensors = [v for v in vars(src).values() if isinstance(v, (torch.Tensor, np.ndarray))]
+    stored = sum(t.nbytes for t in tensors)
+    assert stored <= 3 * vocab_size * k * 8 + 2 * vocab_size * 8  # ids, probs, CDF, pi, start CDF
+    assert stored < 2**30 / 8  # a dense float64 matrix would be 131 GB
+    assert 0 < src.entropy_floor() < math.log(vocab_size) - 2
+    seqs = src.sequences(range(4), 64)
+    assert seqs.shape == (4, 64) and 0 <= seqs.min() and seqs.max() < vocab_size
 
 
 def test_markov_batch_generation_is_fast():

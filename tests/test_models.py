@@ -332,6 +332,22 @@ def test_init_of_dtensor_parameters_equals_plain(world1_mesh) -> None:
     assert {Shard(0), Shard(1), Replicate()} <= placements
 
 
+@pytest.mark.parametrize("name", TINY)
+def test_fsdp2_meta_materialization_matches_plain(world1_mesh, name: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = get_preset(name)
+    model = build_model(cfg)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=world1_mesh)
+    fully_shard(model, mesh=world1_mesh)
+    model.to_empty(device="cpu")
+    init_weights(model, 0, cfg)
+    assert count(model) == num_params(cfg)  # tying survived sharding and to_empty
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens(cfg)), built(name)(tokens(cfg)))
+
+
 # ---------------------------------------------------------------- tying
 
 

@@ -43,6 +43,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         results.put((rank, False, traceback.format_exc()))
         code = 1
+    # Queue.put hands the data to a feeder thread; flush it before os._exit skips interpreter shutdown.
+    results.close()
+    results.join_thread()
     os._exit(code)
 
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import (
+    _TOTAL_KEY,
+    MemTracker,
+    _MemRefType,
+    _UpdateType,
+)
 
 from meshfit.units import fmt_bytes
 
@@ -67,6 +72,7 @@ class RankMemoryTracker(MemTracker):
         self.rank = rank
         self.budget = budget
         self.phase = "setup"
+        self._category_max: dict[Any, int] = {}
 
     def _device_snap(self, snaps: dict[torch.device, dict[Any, int]]) -> dict[Any, int]:
         for dev, snap in snaps.items():
@@ -78,14 +84,38 @@ class RankMemoryTracker(MemTracker):
         return fold_snapshot(self._device_snap(self._curr_mem_snap))
 
     def peak(self) -> dict[str, int]:
-        return fold_snapshot(self._device_snap(self._peak_mem_snap))
+        """The breakdown at the moment of the peak, plus `max`: each category's own maximum."""
+        out = fold_snapshot(self._device_snap(self._peak_mem_snap))
+        out["max"] = {k: v for k, v in fold_snapshot(self._category_max).items() if k != "activations_other"}
+        return out
+
+    def __enter__(self) -> RankMemoryTracker:
+        # Peaks are per optimizer step: entering starts a new window from the live bytes.
+        self._category_max = dict(self._device_snap(self._curr_mem_snap))
+        return super().__enter__()
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
+        snap = self._device_snap(self._curr_mem_snap)
+        for key, value in snap.items():
+            if value > self._category_max.get(key, 0):
+                self._category_max[key] = value
         if self.budget is not None:
-            live = int(self._device_snap(self._curr_mem_snap).get(_TOTAL_KEY, 0))
+            live = int(snap.get(_TOTAL_KEY, 0))
             if live > self.budget:
                 raise MemoryBudgetExceeded(self.rank, self.phase, live, self.budget, self.current())
+
+    def settle(self) -> None:
+        """Re-file what outlives the step as `other` (end of an optimizer step, activations freed).
+
+        Anything still alive then and tagged activation/temp is persistent state created lazily during
+        the step, such as DDP's communication buckets; counting it as activations would mislead.
+        """
+        for winfo, _ in list(self._WINFO.values()):
+            if winfo.reftype in (_MemRefType.ACT, _MemRefType.TEMP):
+                old = winfo.reftype
+                winfo.reftype = _MemRefType.OTH
+                self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
 
     def over_budget_error(self) -> MemoryBudgetExceeded:
         """The budget error for a device out-of-memory (CUDA enforces the budget itself)."""

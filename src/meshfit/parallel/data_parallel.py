@@ -11,10 +11,11 @@ from meshfit.parallel.dims import Meshes
 def apply_ddp(model: nn.Module, meshes: Meshes) -> nn.Module:
     """Wrap a materialized model in DDP over the data-parallel group.
 
-    gradient_as_bucket_view=True makes `.grad` views into DDP's communication buckets, so gradients exist
-    once (not once in `.grad` and once in a bucket) and the memory tracker sees the buckets as gradients.
+    DDP keeps flat communication buckets as large as all gradients for the life of the run (allocated at
+    the first forward); the memory tracker reports them under `other`. gradient_as_bucket_view stays off:
+    with it gradients alias the buckets, and torch's tracker can no longer tell gradients apart.
     """
     device_ids = None if next(model.parameters()).device.type == "cpu" else [next(model.parameters()).device]
     return DistributedDataParallel(
-        model, process_group=meshes.dp.get_group(), device_ids=device_ids, gradient_as_bucket_view=True
+        model, process_group=meshes.dp.get_group(), device_ids=device_ids
     )

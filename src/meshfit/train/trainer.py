@@ -121,6 +121,7 @@ def train_step(run: Run) -> dict[str, Any]:
             for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro)))
         ]
         grad_norm = _optimizer_step(run)
+        run.tracker.settle()
     loss = _mean_over_dp(run, torch.stack(losses).mean())
     elapsed = time.perf_counter() - start
     return _record(run, loss, float(grad_norm), lr, elapsed)
