@@ -21,7 +21,7 @@ from meshfit.train.launch import Outcome, launch
 from meshfit.units import fmt_bytes
 
 # ~4.3M parameters: 16 bytes/parameter of fp32 weights, gradients and AdamW states ≈ 69 MB per replica.
-DEMO_MODEL = ["model.preset=small", "model.dim=256", "model.n_layers=6", "model.vocab_size=4096",
+DEMO_MODEL = ["model.preset=small", "model.dim=256", "model.n_layers=6", "model.vocab_size=2048",
               "model.ffn_hidden=704", "model.n_heads=8", "model.n_kv_heads=4"]
 DEMO_TRAIN = ["train.steps=12", "train.global_batch=8", "train.seq_len=128", "train.lr=3e-3",
               "train.warmup_steps=2", "train.log_every=4"]
@@ -89,7 +89,7 @@ def _table(entries: list[Entry], budget: str) -> Table:
 
 def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET) -> int:
     """Run every demo layout; print the table and write summary.json. Returns the exit code."""
-    console = Console()
+    console = Console(width=None if Console().is_terminal else 120)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if 8 % nproc:

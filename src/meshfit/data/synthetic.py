@@ -35,7 +35,8 @@ class MarkovSource:
 
     A small ``alpha`` concentrates each row on a few successors, so the
     entropy rate sits well below ``log(vocab_size)`` and a model has something
-    to learn.
+    to learn. The restart adds about ``RESTART * log(vocab_size / RESTART)``
+    (0.02 nats at 128256 tokens) to it.
 
     The successors of each token are one id drawn from each of ``k`` equal
     slices of the vocabulary: that makes them distinct by construction, with
@@ -69,7 +70,7 @@ class MarkovSource:
         self.successor_ids = torch.from_numpy(ids)  # [V, k] int64, distinct within a row
         self.successor_probs = torch.from_numpy(weights)  # [V, k] float64, rows sum to 1
         self._cdf = _normalized_cdf(weights)  # [V, k], last column exactly 1.0
-        self.stationary = _stationary(self.successor_ids, self.successor_probs)  # [V] float64
+        self.stationary = torch.from_numpy(_stationary(ids, weights))  # [V] float64
         self._start_cdf = _normalized_cdf(self.stationary.numpy())
 
     def __repr__(self) -> str:
@@ -152,27 +153,32 @@ def _normalized_cdf(probs: np.ndarray) -> np.ndarray:
     return cdf
 
 
-def _stationary(ids: torch.Tensor, probs: torch.Tensor, tol: float = 1e-13) -> torch.Tensor:
+def _stationary(ids: np.ndarray, probs: np.ndarray, tol: float = 1e-13) -> np.ndarray:
     """Stationary distribution of the restarted chain by power iteration.
 
     One step is pi'_j = (1 - RESTART) * sum_i pi_i w_ij + RESTART / V: a
-    scatter-add of the [V, k] sparse rows, O(V * k) instead of the O(V^2) of a
-    dense product. Every row puts at least RESTART / V on every token, so the
-    step contracts L1 distances by at least (1 - RESTART) and the loop below
-    provably terminates; a well-mixing sparse part converges far faster
-    (about 70 steps for 128256 tokens at alpha=0.1).
+    scatter-add (``bincount`` with weights) of the [V, k] sparse rows, O(V * k)
+    instead of the O(V^2) of a dense product. Every row puts at least
+    RESTART / V on every token, so the step contracts L1 distances by at
+    least (1 - RESTART) and the loop provably terminates; a well-mixing sparse
+    part converges far faster (about 45 steps for 128256 tokens at alpha=0.1).
+
+    It runs in numpy, single-threaded: each step is a few short passes, and
+    torch's multi-threaded kernels stall on their barriers when the CPU is
+    shared with other processes, which made construction several times slower.
     """
     vocab_size = ids.shape[0]
     flat_ids = ids.reshape(-1)
-    mass = torch.empty_like(probs)  # reused: allocating [V, k] per step costs more than the step
-    pi = torch.full((vocab_size,), 1.0 / vocab_size, dtype=probs.dtype)
+    mass = np.empty_like(probs)  # reused: allocating [V, k] per step costs as much as the step
+    pi = np.full(vocab_size, 1.0 / vocab_size)
     max_iter = math.ceil(math.log(tol / 2) / math.log1p(-RESTART)) + 100
     for _ in range(max_iter):
-        torch.mul(pi.unsqueeze(1), probs, out=mass)
-        nxt = torch.zeros_like(pi).index_add_(0, flat_ids, mass.view(-1))
-        nxt.mul_(1.0 - RESTART).add_(RESTART / vocab_size)
+        np.multiply(pi[:, None], probs, out=mass)
+        nxt = np.bincount(flat_ids, weights=mass.reshape(-1), minlength=vocab_size)
+        nxt *= 1.0 - RESTART
+        nxt += RESTART / vocab_size
         nxt /= nxt.sum()  # the map preserves total mass; this only removes rounding drift
-        if torch.sum(torch.abs(nxt - pi)) < tol:
+        if np.abs(nxt - pi).sum() < tol:
             return nxt
         pi = nxt
     raise RuntimeError("power iteration for the Markov stationary distribution did not converge")

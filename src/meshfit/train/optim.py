@@ -15,8 +15,9 @@ def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimi
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=True is the default on GPU; fixing it keeps CPU and GPU numerics on the same code path.
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    # torch's default implementation choice: multi-tensor (foreach) on GPU, per-parameter on CPU. The
+    # foreach path keeps a temporary the size of all parameters during step(); the tracker counts it.
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -1,0 +1,95 @@
+"""Config parsing, overrides and validation messages (no ranks are started)."""
+
+import pytest
+
+from meshfit.config import ConfigError, load_config
+from meshfit.parallel.dims import ParallelDims
+from meshfit.train.shape import resolve_run
+from meshfit.units import fmt_bytes, parse_bytes
+
+
+def test_units():
+    assert parse_bytes("300MiB") == 300 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_bytes(1234) == 1234
+    with pytest.raises(ValueError, match="MiB"):
+        parse_bytes("12 parsecs")
+    assert fmt_bytes(3 * 2**20) == "3.0 MiB"
+
+
+def test_files_and_overrides(tmp_path):
+    (tmp_path / "run.toml").write_text('[model]\npreset = "small"\n[train]\nsteps = 5\nmemory_budget = "300MiB"\n')
+    (tmp_path / "run.yaml").write_text("train:\n  steps: 6\n  lr: 1.0e-3\n")
+    cfg = load_config(tmp_path / "run.toml", ["train.steps=7", "parallel.dp_replicate=2", "train.lr=3e-4"])
+    assert (cfg.model.preset, cfg.train.steps, cfg.parallel.dp_replicate) == ("small", 7, 2)
+    assert cfg.train.memory_budget == 300 * 2**20 and cfg.train.lr == pytest.approx(3e-4)
+    assert load_config(tmp_path / "run.yaml").train.steps == 6
+    # The resolved config written into a run directory reads back to the same config.
+    (tmp_path / "resolved.yaml").write_text(cfg.to_yaml())
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+@pytest.mark.parametrize("override, field, hint", [
+    ("train.precision=fp16", "train.precision", "fp32"),
+    ("train.stpes=3", "train.stpes", "valid keys: steps"),
+    ("train.memory_budget=lots", "train.memory_budget", "MiB"),
+    ("train.steps=0", "train.steps", "positive"),
+    ("parallel.tp=0", "parallel.tp", "-1"),
+    ("data.source=csv", "data.source", "synthetic"),
+])
+def test_bad_values_name_the_field(override, field, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert field in str(err.value) and hint in str(err.value)
+
+
+def test_bad_override_syntax_and_section():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["steps=3"])
+    with pytest.raises(ConfigError, match="valid sections: model, parallel, train, data"):
+        load_config(None, ["optim.lr=3"])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    (tmp_path / "bad.toml").write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="bad.toml cannot be parsed"):
+        load_config(tmp_path / "bad.toml")
+    (tmp_path / "x.ini").write_text("")
+    with pytest.raises(ConfigError, match=".toml, .yaml"):
+        load_config(tmp_path / "x.ini")
+
+
+def test_parallel_dims_resolution():
+    assert ParallelDims.resolve(-1, 1, 1, 1, 4).dp_replicate == 4
+    assert ParallelDims.resolve(2, -1, 1, 1, 8).dp_shard == 4
+    with pytest.raises(ValueError, match=r"1 × 2 × 1 × 1 = 2, but the world size is 4"):
+        ParallelDims.resolve(2, 1, 1, 1, 4)
+    with pytest.raises(ValueError, match="at most one degree"):
+        ParallelDims.resolve(-1, -1, 1, 1, 4)
+    with pytest.raises(ValueError, match="divisors: 1, 2, 3, 6"):
+        ParallelDims.resolve(-1, 4, 1, 1, 6)
+
+
+def test_batch_validation_lists_valid_values():
+    with pytest.raises(ConfigError, match="valid global_batch values are multiples of 4: 4, 8"):
+        resolve_run(load_config(None, ["parallel.dp_replicate=4", "train.global_batch=10"]), 4)
+    with pytest.raises(ConfigError, match="valid micro_batch values: 1, 2, 4"):
+        resolve_run(load_config(None, ["parallel.dp_replicate=2", "train.micro_batch=3"]), 2)
+    shape = resolve_run(load_config(None, ["parallel.dp_replicate=2", "train.micro_batch=2"]), 2)
+    assert (shape.local_batch, shape.micro_batch, shape.accum_steps) == (4, 2, 2)
+
+
+def test_model_and_data_validation(tmp_path):
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        resolve_run(load_config(None, ["train.seq_len=100000"]), 1)
+    with pytest.raises(ConfigError, match="model.preset.*tiny"):
+        load_config(None, ["model.preset=huge"]).model.resolve()
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        resolve_run(load_config(None, ["model.n_kv_heads=3"]), 1)
+    with pytest.raises(ConfigError, match="data.path is required"):
+        resolve_run(load_config(None, ["data.source=tokens"]), 1)
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_run(load_config(None, ["data.source=text", f"data.path={tmp_path / 'x.txt'}"]), 1)
