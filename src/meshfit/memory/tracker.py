@@ -92,18 +92,26 @@ class RankMemoryTracker(MemTracker):
     def __enter__(self) -> RankMemoryTracker:
         # Peaks are per optimizer step: entering starts a new window from the live bytes.
         self._category_max = dict(self._device_snap(self._curr_mem_snap))
-        return super().__enter__()
+        super().__enter__()
+        self._peak_mem = {self.device: int(self._category_max.get(_TOTAL_KEY, 0))}
+        self._peak_mem_snap = {self.device: dict(self._category_max)}
+        return self
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        # Called after every operator. torch's version also refreshes per-module peaks (a loop over all
+        # modules with deep copies); meshfit reports per-rank figures only, so keep this path short.
         snap = self._device_snap(self._curr_mem_snap)
+        if not snap:
+            return
+        live = int(snap.get(_TOTAL_KEY, 0))
+        if live > self._peak_mem.get(self.device, -1):
+            self._peak_mem[self.device] = live
+            self._peak_mem_snap = {self.device: dict(snap)}
         for key, value in snap.items():
             if value > self._category_max.get(key, 0):
                 self._category_max[key] = value
-        if self.budget is not None:
-            live = int(snap.get(_TOTAL_KEY, 0))
-            if live > self.budget:
-                raise MemoryBudgetExceeded(self.rank, self.phase, live, self.budget, self.current())
+        if self.budget is not None and live > self.budget:
+            raise MemoryBudgetExceeded(self.rank, self.phase, live, self.budget, self.current())
 
     def settle(self) -> None:
         """Re-file what outlives the step as `other` (end of an optimizer step, activations freed).
