@@ -30,7 +30,7 @@ def test_ddp_with_accumulation_matches_single_process(reference):
 
 
 def test_ddp_memory_breakdown_is_a_full_replica(reference):
-    ddp = run_ranks(train_job, 2, parity_config("parallel.dp_replicate=2", "train.steps=2"))[0]
+    ddp = run_ranks(train_job, 2, parity_config("parallel.dp_replicate=2", "train.steps=3"))[0]
     one = reference["mem"][0]
     for rank_mem in ddp["mem"]:
         # Every DDP rank holds the whole model and, at its peak, whole gradients and AdamW states.

@@ -67,14 +67,35 @@ def _degree(value: int) -> int:
 
 
 class ParallelSection(_Section):
-    """Degrees of each parallel dimension; their product is the world size."""
+    """The layout: degrees of each parallel dimension (product = world size) and how state is kept."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    # 0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP). None: 3 when
+    # dp_shard > 1, else 0. Sharding happens across dp_shard; dp_replicate replicates (HSDP).
+    zero_stage: int | None = None
+    offload: bool = False  # sharded parameters, gradients and optimizer states live in host memory
+    mixed_precision: bool = False  # bf16 compute, fp32 master weights and reductions
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    ac_every: int = 2  # selective: checkpoint every ac_every-th transformer block
 
     _check = field_validator("dp_replicate", "dp_shard", "tp", "pp")(_degree)
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _stage(cls, value: int | None) -> int | None:
+        if value is not None and value not in (0, 1, 2, 3):
+            raise ValueError("must be 0 (DDP), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters, FSDP)")
+        return value
+
+    @field_validator("ac_every")
+    @classmethod
+    def _every(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be ≥ 1 (1 checkpoints every block)")
+        return value
 
 
 class TrainSection(_Section):

@@ -1,9 +1,10 @@
 """Per-rank tensor-memory measurement by category, and the per-rank memory budget.
 
-Measurement uses torch's own MemTracker (a TorchDispatchMode that follows every tensor storage and tags it
-as parameter, gradient, optimizer state, activation, ...). The budget is enforced on top of it: after every
-operator the live tracked bytes on the compute device are compared with the budget, so a run that needs more
-than a small device would have stops at the operator that would not have fit, on CPU as on GPU.
+Measurement uses torch's own trackers (TorchDispatchModes that follow every tensor storage and tag it as
+parameter, gradient, optimizer state, activation, ...): MemTracker for plain and DDP models, FSDPMemTracker
+for FSDP2 models (it also tells sharded from gathered parameters and gradients). The budget is enforced on
+top: after every operator the live tracked bytes on the compute device are compared with the budget, so a
+run that needs more than a small device would have stops at the operator that would not have fit.
 """
 
 from __future__ import annotations
@@ -11,32 +12,38 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import (
-    _TOTAL_KEY,
-    MemTracker,
-    _MemRefType,
-    _UpdateType,
-)
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+from torch.distributed.fsdp import FSDPModule
 
 from meshfit.units import fmt_bytes
 
-# How torch's reference types fold into the categories meshfit reports.
+# How torch's reference types (MemTracker's and FSDPMemTracker's names) fold into meshfit's categories.
 _CATEGORIES = {
-    "params": (_MemRefType.PARAM,),
-    "grads": (_MemRefType.GRAD,),
-    "optim": (_MemRefType.OPT,),
-    "activations": (_MemRefType.ACT, _MemRefType.TEMP),
-    "other": (_MemRefType.BUFFER, _MemRefType.OTH),
+    "params": ("Parameter", "Sharded Param", "Unsharded Param", "All Gather"),
+    "grads": ("Gradient", "Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optim": ("Optstate", "OptState"),
+    "activations": ("Activation", "Temp", "Inputs"),
+    "other": ("Buffer", "Other"),
 }
+# With offload these live in host memory; on a CPU-only machine they are taken off the device tally.
+_HOST_RESIDENT = ("Sharded Param", "Sharded Grad", "OptState")
 BREAKDOWN_KEYS = ("params", "grads", "optim", "activations", "other", "activations_other", "peak")
 
 
-def fold_snapshot(snap: dict[Any, int] | None) -> dict[str, int]:
-    """One device's MemTracker snapshot as meshfit's breakdown (bytes)."""
+def _tally(snap: dict[Any, int], host: tuple[str, ...]) -> int:
+    return int(snap.get(_TOTAL_KEY, 0)) - sum(int(snap.get(k, 0)) for k in host)
+
+
+def fold_snapshot(snap: dict[Any, int] | None, host: tuple[str, ...] = ()) -> dict[str, int]:
+    """One device's tracker snapshot as meshfit's breakdown (bytes); `peak` is the device tally."""
     snap = snap or {}
-    out = {name: sum(int(snap.get(t, 0)) for t in types) for name, types in _CATEGORIES.items()}
+    out = {name: sum(int(snap.get(t, 0)) for t in types if t not in host) for name, types in _CATEGORIES.items()}
     out["activations_other"] = out["activations"] + out["other"]
-    out["peak"] = int(snap.get(_TOTAL_KEY, 0))
+    out["peak"] = _tally(snap, host)
+    if host:
+        out["offloaded"] = sum(int(snap.get(k, 0)) for k in host)
     return out
 
 
@@ -59,19 +66,19 @@ class MemoryBudgetExceeded(RuntimeError):
                 "breakdown": self.breakdown, "message": str(self)}
 
 
-class RankMemoryTracker(MemTracker):
-    """MemTracker restricted to one compute device, with an optional budget and a phase label.
+class _RankTracking:
+    """Budget, phase label and per-step peaks on top of a torch tracker, for one compute device.
 
     `phase` is set by the trainer ("forward", "backward", "optimizer step") so an overflow names where it
-    happened. Enter the tracker once per optimizer step: entering resets the peak to the current live bytes.
+    happened. Enter the tracker once per optimizer step: entering starts a new peak window.
     """
 
-    def __init__(self, device: torch.device, rank: int, budget: int | None = None):
-        super().__init__()
+    def _setup(self, device: torch.device, rank: int, budget: int | None, offload: bool) -> None:
         self.device = torch.device(device)
         self.rank = rank
         self.budget = budget
         self.phase = "setup"
+        self.host = _HOST_RESIDENT if (offload and self.device.type == "cpu") else ()
         self._category_max: dict[Any, int] = {}
 
     def _device_snap(self, snaps: dict[torch.device, dict[Any, int]]) -> dict[Any, int]:
@@ -81,20 +88,23 @@ class RankMemoryTracker(MemTracker):
         return {}
 
     def current(self) -> dict[str, int]:
-        return fold_snapshot(self._device_snap(self._curr_mem_snap))
+        return fold_snapshot(self._device_snap(self._curr_mem_snap), self.host)
 
-    def peak(self) -> dict[str, int]:
-        """The breakdown at the moment of the peak, plus `max`: each category's own maximum."""
-        out = fold_snapshot(self._device_snap(self._peak_mem_snap))
-        out["max"] = {k: v for k, v in fold_snapshot(self._category_max).items() if k != "activations_other"}
+    def peak(self) -> dict[str, Any]:
+        """The breakdown at the step's peak, plus `max`: each category's (and torch type's) own maximum."""
+        out: dict[str, Any] = fold_snapshot(self._device_snap(self._peak_mem_snap), self.host)
+        maxima = fold_snapshot(self._category_max)
+        out["max"] = {k: v for k, v in maxima.items() if k not in ("activations_other", "peak", "offloaded")}
+        out["max_by_type"] = {str(k.value if hasattr(k, "value") else k): v for k, v in self._category_max.items()
+                              if k != _TOTAL_KEY}
         return out
 
-    def __enter__(self) -> RankMemoryTracker:
-        # Peaks are per optimizer step: entering starts a new window from the live bytes.
-        self._category_max = dict(self._device_snap(self._curr_mem_snap))
+    def __enter__(self) -> Any:
+        live = dict(self._device_snap(self._curr_mem_snap))
+        self._category_max = dict(live)
         super().__enter__()
-        self._peak_mem = {self.device: int(self._category_max.get(_TOTAL_KEY, 0))}
-        self._peak_mem_snap = {self.device: dict(self._category_max)}
+        self._peak_mem = {self.device: _tally(live, self.host)}
+        self._peak_mem_snap = {self.device: live}
         return self
 
     def _update_peak_stats(self, peak_state: Any) -> None:
@@ -103,7 +113,7 @@ class RankMemoryTracker(MemTracker):
         snap = self._device_snap(self._curr_mem_snap)
         if not snap:
             return
-        live = int(snap.get(_TOTAL_KEY, 0))
+        live = _tally(snap, self.host)
         if live > self._peak_mem.get(self.device, -1):
             self._peak_mem[self.device] = live
             self._peak_mem_snap = {self.device: dict(snap)}
@@ -114,21 +124,48 @@ class RankMemoryTracker(MemTracker):
             raise MemoryBudgetExceeded(self.rank, self.phase, live, self.budget, self.current())
 
     def settle(self) -> None:
-        """Re-file what outlives the step as `other` (end of an optimizer step, activations freed).
+        """Re-file what outlives the step as a buffer (`other`), at the end of an optimizer step.
 
         Anything still alive then and tagged activation/temp is persistent state created lazily during
         the step, such as DDP's communication buckets; counting it as activations would mislead.
         """
         for winfo, _ in list(self._WINFO.values()):
-            if winfo.reftype in (_MemRefType.ACT, _MemRefType.TEMP):
+            if winfo.reftype in (self._ref_class.ACT, self._ref_class.TEMP):
                 old = winfo.reftype
-                winfo.reftype = _MemRefType.OTH
+                winfo.reftype = self._ref_class.BUFFER
                 self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
 
     def over_budget_error(self) -> MemoryBudgetExceeded:
         """The budget error for a device out-of-memory (CUDA enforces the budget itself)."""
         live = self.current()
         return MemoryBudgetExceeded(self.rank, self.phase, live["peak"], self.budget or 0, live)
+
+
+class RankMemoryTracker(_RankTracking, MemTracker):
+    """Tracker for plain and DDP models (stages 0 and 1)."""
+
+    def __init__(self, device: torch.device, rank: int, budget: int | None = None, offload: bool = False):
+        MemTracker.__init__(self)
+        self._setup(device, rank, budget, offload)
+
+
+class RankFSDPMemTracker(_RankTracking, FSDPMemTracker):
+    """Tracker for FSDP2 models (stages 2 and 3): tells sharded from gathered parameters and gradients."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,
+                 budget: int | None = None, offload: bool = False):
+        FSDPMemTracker.__init__(self, model, optimizer)
+        self._setup(device, rank, budget, offload)
+
+
+def make_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,
+                 budget: int | None, offload: bool = False) -> _RankTracking:
+    """The right tracker for `model`, already following its parameters and optimizer states."""
+    if isinstance(model, FSDPModule):
+        return RankFSDPMemTracker(model, optimizer, device, rank, budget, offload)
+    tracker = RankMemoryTracker(device, rank, budget, offload)
+    tracker.track_external(model, optimizer)
+    return tracker
 
 
 def limit_cuda_memory(device: torch.device, budget: int | None) -> None:

@@ -1,7 +1,8 @@
 """parallelize(): the one place that turns a plain single-device model into the configured layout.
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
-materialize and initialize (identical full weights in every layout), then wrap for data parallelism.
+activation checkpointing -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize
+(identical full weights in every layout) -> DDP for the replicated stages 0 and 1.
 """
 
 from __future__ import annotations
@@ -9,17 +10,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshfit.config import ParallelSection
 from meshfit.models import ModelConfig, init_weights
-from meshfit.parallel.data_parallel import apply_ddp
+from meshfit.parallel.activation import apply_activation_checkpointing
+from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
+                parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
                 device: torch.device, seed: int) -> nn.Module:
-    """Materialize `model` (built on meta) on `device`, initialize it, and apply the layout."""
-    model.to_empty(device=device)
+    """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it."""
+    if parallel.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
+    if zero_stage >= 2:
+        apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,
+                   offload=parallel.offload)
+    # With offload the sharded parameters live in host memory; FSDP moves gathered copies to the device.
+    model.to_empty(device="cpu" if parallel.offload else device)
     init_weights(model, seed, model_cfg)
-    if dims.dp_replicate > 1:
+    if zero_stage <= 1 and dims.dp > 1:
         model = apply_ddp(model, meshes)
     return model
 

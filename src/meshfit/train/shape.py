@@ -19,16 +19,33 @@ class RunShape:
     local_batch: int  # sequences per data-parallel rank per optimizer step
     micro_batch: int  # sequences per forward pass
     accum_steps: int  # micro-batches per optimizer step
+    zero_stage: int  # resolved: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters
+    mixed_precision: bool  # bf16 compute with fp32 master weights (parallel.mixed_precision or train.precision)
 
 
 def _check_supported(dims: ParallelDims) -> None:
-    unsupported = {"dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp}
-    for name, degree in unsupported.items():
+    for name, degree in {"tp": dims.tp, "pp": dims.pp}.items():
         if degree > 1:
             raise ConfigError(
-                f"parallel.{name}={degree}: this version of meshfit trains data-parallel replicas only "
-                f"(parallel.dp_replicate); set parallel.{name}=1"
+                f"parallel.{name}={degree}: this version of meshfit trains data-parallel layouts only "
+                f"(dp_replicate, dp_shard); set parallel.{name}=1"
             )
+
+
+def _zero_stage(cfg: Config, dims: ParallelDims) -> int:
+    par = cfg.parallel
+    stage = par.zero_stage if par.zero_stage is not None else (3 if dims.dp_shard > 1 else 0)
+    if stage == 0 and dims.dp_shard > 1:
+        raise ConfigError(
+            f"parallel.dp_shard={dims.dp_shard} shards state across ranks, which needs parallel.zero_stage "
+            "1, 2 or 3; zero_stage=0 is DDP (use parallel.dp_replicate for plain replicas)"
+        )
+    if par.offload and stage < 2:
+        raise ConfigError(
+            f"parallel.offload=true needs parallel.zero_stage 2 or 3 (got {stage}): host offload is done by "
+            "FSDP for sharded parameters, gradients and optimizer states"
+        )
+    return stage
 
 
 def _batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int, int]:
@@ -79,4 +96,6 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         )
     _check_data(cfg, model.vocab_size)
     local, micro, accum = _batch_shape(cfg, dims)
-    return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum)
+    mixed = cfg.parallel.mixed_precision or cfg.train.precision == "bf16"
+    return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum,
+                    zero_stage=_zero_stage(cfg, dims), mixed_precision=mixed)

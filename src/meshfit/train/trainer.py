@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfit.config import Config
 from meshfit.data import TokenBatches, make_source
-from meshfit.memory.tracker import RankMemoryTracker, limit_cuda_memory
+from meshfit.memory.tracker import limit_cuda_memory, make_tracker
 from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
+from meshfit.parallel.data_parallel import zero1_group
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.dist import RankEnv
 from meshfit.train.metrics import MetricsLog, mfu, peak_flops
@@ -44,7 +46,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     batches: TokenBatches
-    tracker: RankMemoryTracker
+    tracker: Any  # meshfit.memory.tracker.make_tracker
     flops_per_token: float
     peak_flops: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -55,17 +57,17 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None) -> Run:
     meshes = shape.dims.build_mesh(env.device.type)
     model_cfg = cfg.model.resolve()
     torch.manual_seed(cfg.train.seed)
-    model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg,
+    model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
+                        zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
                         device=env.device, seed=cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train, zero1_group(shape.dims, meshes) if shape.zero_stage == 1 else None)
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
                          seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
                          cache_dir=str(run_dir) if run_dir else None)
     batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                            dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp)
-    tracker = RankMemoryTracker(env.device, env.rank, cfg.train.memory_budget)
+    tracker = make_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_budget, cfg.parallel.offload)
     limit_cuda_memory(env.device, cfg.train.memory_budget)
-    tracker.track_external(model, optimizer)
     return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.train), batches=batches, tracker=tracker,
                flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
@@ -73,7 +75,8 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None) -> Run:
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager:
-    if run.cfg.train.precision == "bf16":
+    # FSDP (stages 2, 3) computes in bf16 through its own parameter casting; replicas use autocast.
+    if run.shape.mixed_precision and run.shape.zero_stage <= 1:
         return torch.autocast(run.env.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -95,12 +98,22 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
 
 def _optimizer_step(run: Run) -> torch.Tensor:
     run.tracker.phase = "optimizer step"
-    max_norm = run.cfg.train.grad_clip or float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
+    grad_norm = clip_grad_norm(list(run.model.parameters()), run.cfg.train.grad_clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (sharded ones included), clipped to max_norm when max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the norm of a sharded gradient is a partial sum until reduced
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
@@ -129,6 +142,7 @@ def train_step(run: Run) -> dict[str, Any]:
 
 def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:
     mem = run.tracker.peak()
+    mem["rest"] = run.tracker.current()  # what stays resident between steps
     if run.env.device.type == "cuda":
         mem["device_peak"] = torch.cuda.max_memory_allocated(run.env.device)
         torch.cuda.reset_peak_memory_stats(run.env.device)
@@ -145,13 +159,17 @@ def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) 
 
 
 def summarize(run: Run) -> dict[str, Any]:
-    """Run-level result: final loss and the worst step's per-rank memory."""
-    worst = max(run.history, key=lambda r: r["peak_mem_bytes"])
+    """Run-level result: losses, the highest per-rank peak of any step, and the last step's breakdown.
+
+    The breakdown comes from the last step because the first steps are not yet steady: optimizer states
+    appear during step 1 and DDP rebuilds its gradient buckets once in step 2.
+    """
     return {
-        "layout": run.shape.dims.describe(), "world_size": run.env.world_size, "steps": len(run.history),
+        "layout": run.shape.dims.describe(), "zero_stage": run.shape.zero_stage,
+        "world_size": run.env.world_size, "steps": len(run.history),
         "final_loss": run.history[-1]["loss"], "losses": [r["loss"] for r in run.history],
         "grad_norms": [r["grad_norm"] for r in run.history],
-        "peak_mem_bytes": worst["peak_mem_bytes"], "mem": worst["mem"],
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in run.history), "mem": run.history[-1]["mem"],
         "mean_step_time_s": sum(r["step_time_s"] for r in run.history[1:]) / max(1, len(run.history) - 1),
     }
 

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ def run_worker(run_dir: Path, cfg: Config | None = None) -> int:
     if cfg is None:
         cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     rank = int(os.environ.get("RANK", 0))
+    # When the budget stops a forward pass, torch also warns that FSDP's always-call hook saw the same
+    # error; the budget error itself is what the user needs.
+    warnings.filterwarnings("ignore", message="module forward hook with ``always_call=True``")
     try:
         env = init_distributed(cfg.train.device)
         train(cfg, env, run_dir)
