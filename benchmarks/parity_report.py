@@ -43,8 +43,8 @@ def main() -> None:
     for name in chosen:
         nproc, overrides = LAYOUTS[name]
         res = run_ranks(job, nproc, BASE + overrides + ["train.log_every=1000"])[0]
-        dl = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"]))
-        dg = max(abs(a - b) for a, b in zip(res["grad_norms"], ref["grad_norms"]))
+        dl = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"], strict=True))
+        dg = max(abs(a - b) for a, b in zip(res["grad_norms"], ref["grad_norms"], strict=True))
         print(f"{name:20s} {nproc:5d}  {dl:10.2e}   {dg:10.2e}", flush=True)
 
 

@@ -16,9 +16,9 @@ def reference():
 def test_ddp_two_ranks_matches_single_process(reference):
     ddp = run_ranks(train_job, 2, parity_config("parallel.dp_replicate=2"))
     assert len(ddp[0]["losses"]) == 10
-    deltas = [abs(a - b) for a, b in zip(ddp[0]["losses"], reference["losses"])]
+    deltas = [abs(a - b) for a, b in zip(ddp[0]["losses"], reference["losses"], strict=True)]
     assert max(deltas) <= 1e-5, deltas
-    gdeltas = [abs(a - b) for a, b in zip(ddp[0]["grad_norms"], reference["grad_norms"])]
+    gdeltas = [abs(a - b) for a, b in zip(ddp[0]["grad_norms"], reference["grad_norms"], strict=True)]
     assert max(gdeltas) <= 1e-5, gdeltas
     assert ddp[0]["losses"] == ddp[1]["losses"]  # every rank logs the same global loss
     assert ddp[0]["losses"][-1] < ddp[0]["losses"][0]  # it learns
@@ -26,7 +26,7 @@ def test_ddp_two_ranks_matches_single_process(reference):
 
 def test_ddp_with_accumulation_matches_single_process(reference):
     ddp = run_ranks(train_job, 2, parity_config("parallel.dp_replicate=2", "train.micro_batch=1"))
-    assert max(abs(a - b) for a, b in zip(ddp[0]["losses"], reference["losses"])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(ddp[0]["losses"], reference["losses"], strict=True)) <= 1e-5
 
 
 def test_ddp_memory_breakdown_is_a_full_replica(reference):

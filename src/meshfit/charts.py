@@ -27,7 +27,7 @@ def memory_chart(entries: list[dict[str, Any]], budget: int, path: Path) -> None
         ax.bar(names, values, bottom=bottom, label=label, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.axhline(budget / mib, color="black", linestyle="--", linewidth=1)
-    ax.text(len(entries) - 0.5, budget / mib, f" budget {budget / mib:.0f} MiB", va="bottom", ha="right")
+    ax.text(-0.45, budget / mib, f"budget {budget / mib:.0f} MiB", va="bottom", ha="left", fontsize=9)
     for i, e in enumerate(entries):
         ax.text(i, bottom[i], "fits" if e["fits"] else "over", ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("MiB per rank (measured, at the peak)")

@@ -104,7 +104,7 @@ def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET) -> int:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if 8 % nproc:
-        console.print(f"[red]error:[/red] --nproc must divide the demo's global batch of 8 (use 1, 2, 4 or 8)")
+        console.print("[red]error:[/red] --nproc must divide the demo's global batch of 8 (use 1, 2, 4 or 8)")
         return 2
     entries = [_run_trial(t, run_dir, nproc, budget, console) for t in demo_trials(nproc)]
     console.print(_table(entries, budget))

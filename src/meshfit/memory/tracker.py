@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 from torch.distributed.fsdp import FSDPModule
 
 from meshfit.units import fmt_bytes

@@ -128,13 +128,19 @@ def train_step(run: Run) -> dict[str, Any]:
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
     micro = run.shape.micro_batch
-    with run.tracker:
-        losses = [
-            _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))
-            for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro)))
-        ]
-        grad_norm = _optimizer_step(run)
-        run.tracker.settle()
+    try:
+        with run.tracker:
+            losses = [
+                _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))
+                for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro)))
+            ]
+            grad_norm = _optimizer_step(run)
+            run.tracker.settle()
+    except torch.OutOfMemoryError:
+        # On CUDA the allocator enforces the budget; report it like the tracker does on CPU.
+        if run.cfg.train.memory_budget is None:
+            raise
+        raise run.tracker.over_budget_error() from None
     loss = _mean_over_dp(run, torch.stack(losses).mean())
     elapsed = time.perf_counter() - start
     return _record(run, loss, float(grad_norm), lr, elapsed)
