@@ -80,6 +80,8 @@ class ParallelSection(_Section):
     mixed_precision: bool = False  # bf16 compute, fp32 master weights and reductions
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = 2  # selective: checkpoint every ac_every-th transformer block
+    sp: bool = False  # sequence parallelism for norms, dropout and the residual stream (needs tp > 1)
+    loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (needs tp > 1)
 
     _check = field_validator("dp_replicate", "dp_shard", "tp", "pp")(_degree)
 

@@ -1,7 +1,7 @@
 """parallelize(): the one place that turns a plain single-device model into the configured layout.
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
-activation checkpointing -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize
+tensor parallelism (DTensor) -> activation checkpointing -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize
 (identical full weights in every layout) -> DDP for the replicated stages 0 and 1.
 """
 
@@ -15,12 +15,16 @@ from meshfit.models import ModelConfig, init_weights
 from meshfit.parallel.activation import apply_activation_checkpointing
 from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
+from meshfit.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
                 parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
                 device: torch.device, seed: int) -> nn.Module:
     """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it."""
+    if dims.tp > 1:
+        apply_tensor_parallel(model, model_cfg, meshes.world["tp"], sp=parallel.sp,
+                              loss_parallel=parallel.loss_parallel)
     if parallel.activation_checkpointing != "none":
         apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
     if zero_stage >= 2:

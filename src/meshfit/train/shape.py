@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshfit.config import Config, ConfigError
 from meshfit.parallel.dims import ParallelDims, divisors
+from meshfit.parallel.tensor_parallel import tp_degree_error
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,27 @@ class RunShape:
 
 
 def _check_supported(dims: ParallelDims) -> None:
-    for name, degree in {"tp": dims.tp, "pp": dims.pp}.items():
-        if degree > 1:
-            raise ConfigError(
-                f"parallel.{name}={degree}: this version of meshfit trains data-parallel layouts only "
-                f"(dp_replicate, dp_shard); set parallel.{name}=1"
-            )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={dims.pp}: this version of meshfit has no pipeline parallelism; set parallel.pp=1"
+        )
+
+
+def _check_tp(cfg: Config, dims: ParallelDims, stage: int, model) -> None:
+    par = cfg.parallel
+    if dims.tp == 1:
+        for flag in ("sp", "loss_parallel"):
+            if getattr(par, flag):
+                raise ConfigError(f"parallel.{flag}=true needs tensor parallelism (parallel.tp > 1)")
+        return
+    if dims.dp > 1 and (stage < 2 or dims.dp_replicate > 1):
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with data parallelism needs sharded data parallelism: use parallel.dp_shard "
+            "with zero_stage 2 or 3 (DDP, ZeRO-1 and HSDP replicas do not take tensor-parallel weights)"
+        )
+    error = tp_degree_error(model, dims.tp, cfg.train.seq_len, par.sp)
+    if error:
+        raise ConfigError(error)
 
 
 def _zero_stage(cfg: Config, dims: ParallelDims) -> int:
@@ -96,6 +112,8 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         )
     _check_data(cfg, model.vocab_size)
     local, micro, accum = _batch_shape(cfg, dims)
+    stage = _zero_stage(cfg, dims)
+    _check_tp(cfg, dims, stage, model)
     mixed = cfg.parallel.mixed_precision or cfg.train.precision == "bf16"
     return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum,
-                    zero_stage=_zero_stage(cfg, dims), mixed_precision=mixed)
+                    zero_stage=stage, mixed_precision=mixed)

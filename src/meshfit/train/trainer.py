@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
 from meshfit.data import TokenBatches, make_source
@@ -88,11 +89,15 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     with ctx:
         run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
         run.tracker.phase = "forward"
-        with _autocast(run):
-            logits = run.model(inputs.to(run.env.device))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(run.env.device).flatten())
-        run.tracker.phase = "backward"
-        (loss / run.shape.accum_steps).backward()
+        # Loss parallelism: cross-entropy on vocabulary-sharded logits, in forward and backward.
+        with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
+            with _autocast(run):
+                logits = run.model(inputs.to(run.env.device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(run.env.device).flatten())
+            run.tracker.phase = "backward"
+            (loss / run.shape.accum_steps).backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
     return loss.detach()
 
 
@@ -106,13 +111,26 @@ def _optimizer_step(run: Run) -> torch.Tensor:
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients (sharded ones included), clipped to max_norm when max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # the norm of a sharded gradient is a partial sum until reduced
+    """Global L2 norm of all gradients (sharded ones included), clipped to max_norm when max_norm > 0.
+
+    Gradients may be plain tensors and DTensors on different meshes (e.g. tensor-parallel weights next to
+    replicated norms): each group's norm is reduced to a full value before they are combined.
+    """
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in groups.values():
+            # Scale the local shards in place: one coefficient for every gradient, sharded or not.
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
 
 

@@ -1,0 +1,99 @@
+"""Tensor parallelism (Megatron-style) as data: a plan maps module paths to DTensor parallel styles.
+
+Attention q/k/v and MLP up/gate are split by output columns, attention output and MLP down by input rows,
+so each block needs one reduction in forward and one in backward. The token embedding is split by
+vocabulary rows and the output head by vocabulary columns. With sequence parallelism the norms, dropout and
+the residual stream between the split regions hold 1/t of the sequence; with loss parallelism the
+cross-entropy runs on vocabulary-sharded logits that are never gathered.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshfit.models import ModelConfig
+
+
+def _block_plan(family: str, sp: bool) -> dict[str, ParallelStyle]:
+    residual = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if family == "llama":
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if sp:
+        # The attention also takes the RoPE tables (plain tensors, left as they are).
+        extra = (None, None) if family == "llama" else ()
+        plan.update({
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), *extra),
+                                            desired_input_layouts=(Replicate(), *extra)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return plan
+
+
+def tp_plan(cfg: ModelConfig, *, sp: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The full plan for `cfg`'s model: module path (relative to the model) -> parallel style."""
+    residual = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "output": ColwiseParallel(input_layouts=residual,
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if cfg.family == "llama":
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    else:
+        # Learned positions are added to the full token embeddings; the sequence split starts at block 0.
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sp:
+            plan["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                  use_local_output=True)
+    if sp:
+        plan["norm"] = SequenceParallel()
+    for i in range(cfg.n_layers):
+        plan.update({f"layers.{i}.{path}": style for path, style in _block_plan(cfg.family, sp).items()})
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, *, sp: bool,
+                          loss_parallel: bool) -> None:
+    """Shard `model` (on meta, before data-parallel wrapping) over the 1-D `tp` mesh, in place."""
+    parallelize_module(model, mesh, tp_plan(cfg, sp=sp, loss_parallel=loss_parallel))
+    if cfg.tie_embeddings:
+        # Both the embedding and the head are split by vocabulary rows (Shard(0)): tie them again.
+        model.output.weight = model.tok_embeddings.weight
+
+
+def tp_degree_error(cfg: ModelConfig, tp: int, seq_len: int, sp: bool) -> str | None:
+    """None if `tp` splits every sharded dimension evenly; else what it fails and the degrees that work.
+
+    No padding is applied: tp must divide the attention heads, the key/value heads, the MLP hidden size,
+    the vocabulary and, with sequence parallelism, the sequence length.
+    """
+    sizes = {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.n_kv_heads,
+             "model.ffn_hidden": cfg.ffn_hidden, "model.vocab_size": cfg.vocab_size}
+    if sp:
+        sizes["train.seq_len"] = seq_len
+    failing = [f"{field}={size}" for field, size in sizes.items() if size % tp]
+    if not failing:
+        return None
+    common = math.gcd(*sizes.values())
+    valid = [d for d in range(1, common + 1) if common % d == 0]
+    shown = ", ".join(f"{f.split('.')[1]} {v}" for f, v in sizes.items())
+    return (f"parallel.tp={tp} must divide {', '.join(failing)}; tensor-parallel degrees that divide every "
+            f"split size ({shown}): {', '.join(map(str, valid))}")

@@ -1,0 +1,77 @@
+"""Tensor parallelism (+ sequence and loss parallelism): parity with one process, memory, validation."""
+
+import functools
+
+import pytest
+
+from dist_jobs import parity_config, train_job
+from meshfit.config import ConfigError, load_config
+from meshfit.testing import run_ranks
+from meshfit.train.shape import resolve_run
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+TP_MODES = {
+    "tp": ["parallel.tp=2"],
+    "tp-sp": ["parallel.tp=2", "parallel.sp=true"],
+    "tp-sp-loss-parallel": ["parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true"],
+    "tp-loss-parallel": ["parallel.tp=2", "parallel.loss_parallel=true"],
+}
+FAMILIES = {"llama": "model.preset=tiny", "gpt": "model.preset=tiny-gpt"}  # tiny-gpt has tied embeddings
+
+
+@functools.cache
+def reference(family):
+    return run_ranks(train_job, 1, parity_config(FAMILIES[family]))[0]
+
+
+def _max_delta(a, b):
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", TP_MODES)
+def test_tp_parity(family, mode):
+    ranks = run_ranks(train_job, 2, parity_config(FAMILIES[family], *TP_MODES[mode]))
+    ref = reference(family)
+    assert _max_delta(ranks[0]["losses"], ref["losses"]) <= 1e-5
+    assert _max_delta(ranks[0]["grad_norms"], ref["grad_norms"]) <= 1e-5
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def test_2d_tp_with_zero3_parity():
+    ranks = run_ranks(train_job, 4, parity_config("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
+                                                  "parallel.sp=true", "parallel.loss_parallel=true"))
+    assert _max_delta(ranks[0]["losses"], reference("llama")["losses"]) <= 1e-5
+    assert _max_delta(ranks[0]["grad_norms"], reference("llama")["grad_norms"]) <= 1e-5
+
+
+def _mem(n, *overrides):
+    # `small` has 8 heads and 4 key/value heads, so tp = 4 divides it too.
+    return run_ranks(train_job, n, parity_config("model.preset=small", "train.seq_len=128", "train.steps=2",
+                                                 *overrides))[0]["mem"][0]
+
+
+def test_tp_memory_split_layers_and_sequence_parallel_activations():
+    one = _mem(1)
+    tp2, tp2_sp = _mem(2, "parallel.tp=2"), _mem(2, "parallel.tp=2", "parallel.sp=true")
+    tp4 = _mem(4, "parallel.tp=4")
+    norms = 4 * 256 * (2 * 4 + 1)  # RMSNorm gains stay replicated (fp32, dim 256, 2 per block + final)
+    for t, mem in ((2, tp2), (4, tp4)):
+        split = one["rest"]["params"] - norms
+        assert mem["rest"]["params"] == split // t + norms
+        assert mem["rest"]["optim"] <= one["rest"]["optim"] / t + 2 * norms + 1024
+    # Sequence parallelism splits the activations of norms and the residual stream as well.
+    assert tp2_sp["max_by_type"]["Activation"] < tp2["max_by_type"]["Activation"] \
+        < one["max_by_type"]["Activation"]
+
+
+def test_tp_validation_lists_valid_degrees():
+    with pytest.raises(ConfigError, match=r"n_kv_heads=2.*degrees that divide every split size.*: 1, 2$"):
+        resolve_run(load_config(None, ["parallel.tp=4"]), 4)
+    with pytest.raises(ConfigError, match="train.seq_len=63"):
+        resolve_run(load_config(None, ["parallel.tp=2", "parallel.sp=true", "train.seq_len=63"]), 2)
+    with pytest.raises(ConfigError, match="dp_shard"):
+        resolve_run(load_config(None, ["parallel.tp=2", "parallel.dp_replicate=2"]), 4)
+    with pytest.raises(ConfigError, match="parallel.sp=true needs tensor parallelism"):
+        resolve_run(load_config(None, ["parallel.sp=true"]), 1)
