@@ -23,6 +23,11 @@ LAYOUTS = {
     "zero3+ac": (2, ["parallel.dp_shard=2", "parallel.activation_checkpointing=full"]),
     "zero3+offload": (2, ["parallel.dp_shard=2", "parallel.offload=true"]),
     "hsdp 2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    "tp": (2, ["parallel.tp=2"]),
+    "tp+sp+loss-parallel": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true"]),
+    "tp gpt (tied)": (2, ["model.preset=tiny-gpt", "parallel.tp=2", "parallel.sp=true",
+                          "parallel.loss_parallel=true"]),
+    "tp2 x dp_shard2": (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.sp=true"]),
     "zero3 bf16": (2, ["parallel.dp_shard=2", "parallel.mixed_precision=true"]),
     "ddp bf16 autocast": (2, ["parallel.dp_replicate=2", "train.precision=bf16"]),
 }
@@ -38,10 +43,16 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated layout names")
     args = parser.parse_args()
     chosen = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
-    ref = run_ranks(job, 1, BASE + ["train.log_every=1000"])[0]
+    refs: dict[str, dict] = {}
     print(f"{'layout':20s} ranks  max|Δloss|   max|Δgrad-norm|")
     for name in chosen:
         nproc, overrides = LAYOUTS[name]
+        # Each layout is compared with one process running the same model (the preset, if overridden).
+        model = [o for o in overrides if o.startswith("model.")]
+        key = ",".join(model)
+        if key not in refs:
+            refs[key] = run_ranks(job, 1, BASE + model + ["train.log_every=1000"])[0]
+        ref = refs[key]
         res = run_ranks(job, nproc, BASE + overrides + ["train.log_every=1000"])[0]
         dl = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"], strict=True))
         dg = max(abs(a - b) for a, b in zip(res["grad_norms"], ref["grad_norms"], strict=True))
