@@ -100,6 +100,32 @@ class ParallelSection(_Section):
         return value
 
 
+class PipelineSection(_Section):
+    """Pipeline parallelism (used when parallel.pp > 1)."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"] = "1f1b"
+    microbatches: int | None = None  # per optimizer step on each pipeline; None = one sequence each
+    virtual_stages: int | None = None  # stages per rank; None = 1, or 2 for interleaved and V schedules
+    layers_per_stage: list[int] | None = None  # override of the balanced split, one entry per stage
+
+    @field_validator("microbatches", "virtual_stages")
+    @classmethod
+    def _positive_opt(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("layers_per_stage", mode="before")
+    @classmethod
+    def _layers(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set pipeline.layers_per_stage=3,2,2,1
+            try:
+                return [int(x) for x in value.replace("[", "").replace("]", "").split(",") if x.strip()]
+            except ValueError:
+                raise ValueError("write the layers of each stage as integers, e.g. 3,2,2,1") from None
+        return value
+
+
 class TrainSection(_Section):
     steps: int = 20
     seed: int = 0
@@ -159,6 +185,7 @@ class DataSection(_Section):
 class Config(_Section):
     model: ModelSection = ModelSection()
     parallel: ParallelSection = ParallelSection()
+    pipeline: PipelineSection = PipelineSection()
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
 

@@ -37,6 +37,7 @@ class Trial:
     name: str
     overrides: list[str]
     why: str  # what the layout keeps per rank, for the table
+    nproc: int | None = None  # ranks of this layout; None = the demo's --nproc
 
 
 def demo_trials(nproc: int) -> list[Trial]:
@@ -58,7 +59,15 @@ def demo_trials(nproc: int) -> list[Trial]:
         Trial("tp", [f"parallel.tp={nproc}", "parallel.sp=true", "parallel.loss_parallel=true",
                      "train.micro_batch=2"],
               "every matrix split across ranks (Megatron), sequence- and loss-parallel"),
-    ])
+        Trial("pp", [f"parallel.pp={nproc}", "pipeline.schedule=1f1b", "pipeline.microbatches=8",
+                     "train.micro_batch=null"],
+              "layers split into stages, 1F1B schedule over 8 micro-batches"),
+    ]) + [
+        # Always 8 ranks: the three techniques on one mesh, as large runs compose them.
+        Trial("3d", ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true",
+                     "parallel.loss_parallel=true", "pipeline.microbatches=4", "train.micro_batch=null"],
+              "pp 2 × FSDP 2 × tp 2 on 8 ranks", nproc=8),
+    ]
 
 
 @dataclass
@@ -78,6 +87,7 @@ class Entry:
 
 def _run_trial(trial: Trial, root: Path, nproc: int, budget: str, console: Console) -> Entry:
     base = DEMO_MODEL + DEMO_TRAIN + trial.overrides
+    nproc = trial.nproc or nproc
     console.print(f"[bold]{trial.name}[/bold]: {trial.why} — training under a {budget} per-rank budget")
     outcome = launch(load_config(None, base + [f"train.memory_budget={budget}"]), root / trial.name, nproc)
     if outcome.ok:

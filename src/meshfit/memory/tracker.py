@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfit.units import fmt_bytes
 
@@ -149,6 +150,35 @@ class RankMemoryTracker(_RankTracking, MemTracker):
         self._setup(device, rank, budget, offload)
 
 
+class PipelineMemTracker(RankMemoryTracker):
+    """Tracker for pipeline stages: no module hooks (torch's ModTracker cannot follow the schedules'
+    partial backward passes, which run through autograd.grad). Parameters, gradients (through hooks on
+    the parameters) and optimizer states are told apart; every other tensor counts as an activation.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, rank: int, budget: int | None = None,
+                 offload: bool = False):
+        super().__init__(device, rank, budget, offload)
+        self._root = model
+
+    def __enter__(self) -> PipelineMemTracker:
+        live = dict(self._device_snap(self._curr_mem_snap))
+        self._category_max = dict(live)
+        self._fake_mode_on_entry = None
+        self._register_global_optimizer_hook()
+        self._track_module_params_and_buffers(self._root, install_grad_hooks=True)
+        self._track_resize()
+        self._peak_mem = {self.device: _tally(live, self.host)}
+        self._peak_mem_snap = {self.device: live}
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        self._deregister_param_and_optimizer_hooks()
+        self._restore_resize()
+        TorchDispatchMode.__exit__(self, *args)
+
+
 class RankFSDPMemTracker(_RankTracking, FSDPMemTracker):
     """Tracker for FSDP2 models (stages 2 and 3): tells sharded from gathered parameters and gradients."""
 
@@ -159,11 +189,14 @@ class RankFSDPMemTracker(_RankTracking, FSDPMemTracker):
 
 
 def make_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,
-                 budget: int | None, offload: bool = False) -> _RankTracking:
+                 budget: int | None, offload: bool = False, pipeline: bool = False) -> _RankTracking:
     """The right tracker for `model`, already following its parameters and optimizer states."""
-    if isinstance(model, FSDPModule):
+    if pipeline:
+        tracker = PipelineMemTracker(model, device, rank, budget, offload)
+    elif isinstance(model, FSDPModule):
         return RankFSDPMemTracker(model, optimizer, device, rank, budget, offload)
-    tracker = RankMemoryTracker(device, rank, budget, offload)
+    else:
+        tracker = RankMemoryTracker(device, rank, budget, offload)
     tracker.track_external(model, optimizer)
     return tracker
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshfit.config import Config, ConfigError
 from meshfit.parallel.dims import ParallelDims, divisors
+from meshfit.parallel.pipeline import SCHEDULES, StagePlan, default_virtual_stages, plan_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
 
 
@@ -22,13 +23,43 @@ class RunShape:
     accum_steps: int  # micro-batches per optimizer step
     zero_stage: int  # resolved: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters
     mixed_precision: bool  # bf16 compute with fp32 master weights (parallel.mixed_precision or train.precision)
+    stages: StagePlan | None = None  # pipeline stages (pp > 1)
+    microbatches: int = 1  # pipeline micro-batches per optimizer step
 
 
-def _check_supported(dims: ParallelDims) -> None:
-    if dims.pp > 1:
-        raise ConfigError(
-            f"parallel.pp={dims.pp}: this version of meshfit has no pipeline parallelism; set parallel.pp=1"
-        )
+def _pipeline(cfg: Config, dims: ParallelDims, model, local_batch: int) -> tuple[StagePlan, int]:
+    pipe = cfg.pipeline
+    if model.tie_embeddings:
+        raise ConfigError("parallel.pp > 1 needs untied embeddings (the embedding and the head sit on different "
+                          "stages): set model.tie_embeddings=false")
+    if cfg.train.micro_batch is not None:
+        raise ConfigError("train.micro_batch does not apply with parallel.pp > 1: set pipeline.microbatches "
+                          "(micro-batches per step on each pipeline) instead")
+    fixed = SCHEDULES[pipe.schedule][1]
+    virtual = pipe.virtual_stages or default_virtual_stages(pipe.schedule)
+    if fixed is not None and virtual != fixed:
+        raise ConfigError(f"pipeline.virtual_stages={virtual}: schedule {pipe.schedule} runs exactly {fixed} "
+                          "stage(s) per rank")
+    if fixed is None and virtual < 2:
+        raise ConfigError(f"pipeline.virtual_stages={virtual}: {pipe.schedule} needs ≥ 2 stages per rank "
+                          "(use gpipe or 1f1b for one)")
+    n_stages = dims.pp * virtual
+    if n_stages > model.n_layers:
+        raise ConfigError(f"parallel.pp × pipeline.virtual_stages = {dims.pp} × {virtual} = {n_stages} stages, "
+                          f"but the model has {model.n_layers} layers; every stage needs at least one layer")
+    counts = pipe.layers_per_stage
+    if counts is not None and (len(counts) != n_stages or sum(counts) != model.n_layers or min(counts) < 1):
+        raise ConfigError(f"pipeline.layers_per_stage={counts}: give {n_stages} positive counts "
+                          f"(one per stage) that add up to {model.n_layers} layers")
+    micro = pipe.microbatches or local_batch
+    if local_batch % micro:
+        raise ConfigError(f"pipeline.microbatches={micro} does not divide the per-pipeline batch {local_batch}; "
+                          f"valid values: {', '.join(map(str, divisors(local_batch)))}")
+    if micro < dims.pp and pipe.schedule != "gpipe":
+        raise ConfigError(f"pipeline.microbatches={micro}: schedule {pipe.schedule} needs at least pp={dims.pp} "
+                          "micro-batches to fill the pipeline")
+    plan = plan_stages(model, cfg.train.seq_len, dims.pp, virtual, pipe.schedule, counts)
+    return plan, micro
 
 
 def _check_tp(cfg: Config, dims: ParallelDims, stage: int, model) -> None:
@@ -64,7 +95,7 @@ def _zero_stage(cfg: Config, dims: ParallelDims) -> int:
     return stage
 
 
-def _batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int, int]:
+def _batch_shape(cfg: Config, dims: ParallelDims, micro_batch: int | None) -> tuple[int, int, int]:
     gb, dp = cfg.train.global_batch, dims.dp
     if gb % dp:
         multiples = ", ".join(str(dp * k) for k in range(1, 5))
@@ -73,7 +104,7 @@ def _batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int, int]:
             f"(dp_replicate × dp_shard); valid global_batch values are multiples of {dp}: {multiples}, …"
         )
     local = gb // dp
-    micro = cfg.train.micro_batch or local
+    micro = micro_batch or local
     if local % micro:
         raise ConfigError(
             f"train.micro_batch={micro} does not divide the per-rank batch {local} (global_batch {gb} / "
@@ -103,7 +134,6 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check_supported(dims)
     model = cfg.model.resolve()
     if cfg.train.seq_len > model.max_seq_len:
         raise ConfigError(
@@ -111,9 +141,15 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
             f"use train.seq_len ≤ {model.max_seq_len} or raise model.max_seq_len"
         )
     _check_data(cfg, model.vocab_size)
-    local, micro, accum = _batch_shape(cfg, dims)
+    stages, microbatches = None, 1
+    if dims.pp > 1:
+        local = _batch_shape(cfg, dims, None)[0]
+        stages, microbatches = _pipeline(cfg, dims, model, local)
+        micro, accum = local, 1
+    else:
+        local, micro, accum = _batch_shape(cfg, dims, cfg.train.micro_batch)
     stage = _zero_stage(cfg, dims)
     _check_tp(cfg, dims, stage, model)
     mixed = cfg.parallel.mixed_precision or cfg.train.precision == "bf16"
-    return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum,
-                    zero_stage=stage, mixed_precision=mixed)
+    return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum, zero_stage=stage,
+                    mixed_precision=mixed, stages=stages, microbatches=microbatches)

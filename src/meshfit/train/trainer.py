@@ -32,6 +32,7 @@ from meshfit.parallel.parallelize import parallelize
 from meshfit.train.dist import RankEnv
 from meshfit.train.metrics import MetricsLog, mfu, peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
+from meshfit.train.pipelined import Pipe, build_pipeline, pipeline_step
 from meshfit.train.shape import RunShape, resolve_run
 
 
@@ -50,6 +51,7 @@ class Run:
     tracker: Any  # meshfit.memory.tracker.make_tracker
     flops_per_token: float
     peak_flops: float | None
+    pipe: Pipe | None = None  # pipeline parallelism: this rank's stages and schedule
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -58,21 +60,26 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None) -> Run:
     meshes = shape.dims.build_mesh(env.device.type)
     model_cfg = cfg.model.resolve()
     torch.manual_seed(cfg.train.seed)
-    model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
-                        zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
-                        device=env.device, seed=cfg.train.seed)
+    pipe = None
+    if shape.stages is not None:
+        model, pipe = build_pipeline(cfg, shape, meshes, model_cfg, env.device)
+    else:
+        model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
+                            zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
+                            device=env.device, seed=cfg.train.seed)
     optimizer = build_optimizer(model, cfg.train, zero1_group(shape.dims, meshes) if shape.zero_stage == 1 else None)
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
                          seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
                          cache_dir=str(run_dir) if run_dir else None)
     batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                            dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp)
-    tracker = make_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_budget, cfg.parallel.offload)
+    tracker = make_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_budget, cfg.parallel.offload,
+                           pipeline=pipe is not None)
     limit_cuda_memory(env.device, cfg.train.memory_budget)
     return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.train), batches=batches, tracker=tracker,
                flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
-               peak_flops=peak_flops(env.device, cfg.train.peak_flops))
+               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe)
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager:
@@ -103,18 +110,20 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
 
 def _optimizer_step(run: Run) -> torch.Tensor:
     run.tracker.phase = "optimizer step"
-    grad_norm = clip_grad_norm(list(run.model.parameters()), run.cfg.train.grad_clip)
+    pp_group = run.pipe.group if run.pipe else None
+    grad_norm = clip_grad_norm(list(run.model.parameters()), run.cfg.train.grad_clip, pp_group)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
     """Global L2 norm of all gradients (sharded ones included), clipped to max_norm when max_norm > 0.
 
     Gradients may be plain tensors and DTensors on different meshes (e.g. tensor-parallel weights next to
-    replicated norms): each group's norm is reduced to a full value before they are combined.
+    replicated norms): each group's norm is reduced to a full value before they are combined. With
+    pipeline parallelism each rank holds other layers: the squares are summed across the pipeline.
     """
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in params:
@@ -126,6 +135,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
+    if pp_group is not None:
+        square = total.square()
+        dist.all_reduce(square, group=pp_group)
+        total = square.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():
@@ -148,10 +161,15 @@ def train_step(run: Run) -> dict[str, Any]:
     micro = run.shape.micro_batch
     try:
         with run.tracker:
-            losses = [
-                _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))
-                for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro)))
-            ]
+            if run.pipe is not None:
+                run.tracker.reset_mod_stats()
+                run.tracker.phase = "pipeline forward/backward"
+                losses = [pipeline_step(run.pipe, inputs, targets, run.env.device, run.cfg.parallel.loss_parallel)]
+            else:
+                losses = [
+                    _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))
+                    for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro), strict=True))
+                ]
             grad_norm = _optimizer_step(run)
             run.tracker.settle()
     except torch.OutOfMemoryError:
@@ -167,6 +185,8 @@ def train_step(run: Run) -> dict[str, Any]:
 def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:
     mem = run.tracker.peak()
     mem["rest"] = run.tracker.current()  # what stays resident between steps
+    if run.pipe is not None:
+        mem["stages"] = run.pipe.stage_ids
     if run.env.device.type == "cuda":
         mem["device_peak"] = torch.cuda.max_memory_allocated(run.env.device)
         torch.cuda.reset_peak_memory_stats(run.env.device)

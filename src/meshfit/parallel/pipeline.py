@@ -1,0 +1,120 @@
+"""Pipeline parallelism: split the layers into stages (data), place stages on ranks, build the schedule.
+
+Stages are contiguous runs of transformer blocks; the first stage also holds the token embedding, the
+last the final norm, the output head and the loss. The split balances the forward FLOPs per token of each
+stage, with the head's matmul counted on the last stage (the embedding lookup costs next to nothing, so
+the first stage gets more blocks). Schedules come from torch.distributed.pipelining.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from meshfit.models import ModelConfig
+
+# meshfit name -> (torch schedule class name, virtual stages per rank: None = any ≥ 2, V-shaped placement)
+SCHEDULES = {
+    "gpipe": ("GPipe", 1, False),
+    "1f1b": ("1F1B", 1, False),
+    "interleaved-1f1b": ("Interleaved1F1B", None, False),
+    "interleaved-zb": ("InterleavedZeroBubble", None, False),
+    "zbv": ("ZBVZeroBubble", 2, True),
+    "dualpipev": ("DualPipeV", 2, True),
+}
+
+
+def default_virtual_stages(schedule: str) -> int:
+    fixed = SCHEDULES[schedule][1]
+    return fixed if fixed is not None else 2
+
+
+def layer_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one transformer block (matmuls + attention scores and weighted sum)."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    attn = 2 * cfg.dim * (2 * cfg.dim + 2 * kv)
+    mlp = 2 * cfg.dim * cfg.ffn_hidden * (3 if cfg.family == "llama" else 2)
+    return attn + mlp + 4 * cfg.dim * seq_len
+
+
+def balanced_split(n_layers: int, n_stages: int, layer_cost: float, head_cost: float) -> list[int]:
+    """Layers per stage, contiguous, minimizing the most expensive stage (the head counts on the last)."""
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
+
+    def solve(start: int, stages: int) -> tuple[float, list[int]]:
+        # Cost of placing layers[start:] on `stages` stages, the last of which carries the head.
+        if (start, stages) in best:
+            return best[(start, stages)]
+        left = n_layers - start
+        if stages == 1:
+            result = (left * layer_cost + head_cost, [left])
+        else:
+            result = (float("inf"), [])
+            for take in range(1, left - stages + 2):
+                rest_cost, rest = solve(start + take, stages - 1)
+                cost = max(take * layer_cost, rest_cost)
+                if cost < result[0]:
+                    result = (cost, [take] + rest)
+        best[(start, stages)] = result
+        return result
+
+    return solve(0, n_stages)[1]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which layers each global stage holds and which stages this layout puts on each pipeline rank."""
+
+    layers: tuple[tuple[int, ...], ...]  # global stage id -> layer indices
+    v_shape: bool
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.layers)
+
+    def stages_of_rank(self, pp_rank: int, pp: int) -> list[int]:
+        per_rank = self.n_stages // pp
+        if self.v_shape:  # rank r holds stages r and 2p-1-r: first and last stage on rank 0
+            return [pp_rank, 2 * pp - 1 - pp_rank]
+        return [pp_rank + k * pp for k in range(per_rank)]  # interleaved: round-robin
+
+
+def plan_stages(cfg: ModelConfig, seq_len: int, pp: int, virtual: int, schedule: str,
+                layers_per_stage: list[int] | None) -> StagePlan:
+    n_stages = pp * virtual
+    counts = layers_per_stage or balanced_split(cfg.n_layers, n_stages, layer_flops(cfg, seq_len),
+                                                2.0 * cfg.dim * cfg.vocab_size)
+    bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
+    layers = tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(n_stages))
+    return StagePlan(layers=layers, v_shape=SCHEDULES[schedule][2])
+
+
+def cut_stage(model: nn.Module, layer_ids: tuple[int, ...], first: bool, last: bool) -> nn.Module:
+    """Keep only this stage's blocks (names unchanged, so initialization matches the full model)."""
+    keep = {str(i) for i in layer_ids}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+        if hasattr(model, "pos_embeddings"):
+            model.pos_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn) -> object:
+    """The torch schedule; gradients are scaled by 1/microbatches so they equal a full-batch mean."""
+    cls = get_schedule_class(SCHEDULES[name][0])
+    multi = SCHEDULES[name][1] != 1
+    return cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def make_stage(module: nn.Module, stage_id: int, n_stages: int, device: torch.device, group) -> PipelineStage:
+    return PipelineStage(module, stage_id, n_stages, device, group=group)

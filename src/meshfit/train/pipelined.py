@@ -1,0 +1,71 @@
+"""Pipeline-parallel pieces of a run: build this rank's stages and run one step of the schedule."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshfit.config import Config
+from meshfit.models import ModelConfig, build_model
+from meshfit.parallel.dims import Meshes
+from meshfit.parallel.parallelize import parallelize
+from meshfit.parallel.pipeline import build_schedule, cut_stage, make_stage
+from meshfit.train.shape import RunShape
+
+
+@dataclass
+class Pipe:
+    schedule: Any
+    stage_ids: list[int]
+    first: bool  # this rank runs stage 0 (it feeds the inputs)
+    last: bool  # this rank runs the last stage (it computes the loss)
+    group: Any  # the pipeline process group
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of one micro-batch (the schedule scales gradients by 1/micro-batches)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig,
+                   device: torch.device) -> tuple[nn.ModuleList, Pipe]:
+    """This rank's stage modules (each laid out like a whole model would be) and the schedule."""
+    plan = shape.stages
+    ids = plan.stages_of_rank(meshes.world["pp"].get_local_rank(), shape.dims.pp)
+    last = plan.n_stages - 1
+    modules = []
+    for sid in ids:
+        stage = cut_stage(build_model(model_cfg, "meta"), plan.layers[sid], sid == 0, sid == last)
+        modules.append(parallelize(stage, shape.dims, meshes, model_cfg, parallel=cfg.parallel,
+                                   zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
+                                   device=device, seed=cfg.train.seed))
+    group = meshes.world["pp"].get_group()
+    stages = [make_stage(m, sid, plan.n_stages, device, group) for m, sid in zip(modules, ids, strict=True)]
+    schedule = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, pipeline_loss)
+    return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids, group)
+
+
+def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
+                  use_loss_parallel: bool) -> torch.Tensor:
+    """Forward and backward of every micro-batch through the schedule; returns the mean loss on every
+    rank of the pipeline (only the last stage computes it)."""
+    losses: list[torch.Tensor] = []
+    args = (inputs.to(device),) if pipe.first else ()
+    kwargs = {"target": targets.to(device), "losses": losses} if pipe.last else {}
+    with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
+        pipe.schedule.step(*args, **kwargs)
+    if pipe.last:
+        parts = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
+        loss = torch.stack([p.detach() for p in parts]).mean()
+    else:
+        loss = torch.zeros((), device=device)
+    dist.all_reduce(loss, group=pipe.group)  # only the last stage contributes
+    return loss

@@ -1,0 +1,84 @@
+"""Pipeline parallelism: stage split, every schedule, composition with ZeRO and TP (3-D), validation."""
+
+import functools
+
+import pytest
+
+from dist_jobs import parity_config, train_job
+from meshfit.config import ConfigError, load_config
+from meshfit.parallel.pipeline import SCHEDULES, balanced_split
+from meshfit.testing import run_ranks
+from meshfit.train.shape import resolve_run
+
+FOUR_LAYERS = "model.n_layers=4"  # pp × virtual stages = 4 needs four blocks
+
+
+@functools.cache
+def reference():
+    return run_ranks(train_job, 1, parity_config(FOUR_LAYERS))[0]
+
+
+def _check_parity(result):
+    ref = reference()
+    assert max(abs(a - b) for a, b in zip(result["losses"], ref["losses"], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(result["grad_norms"], ref["grad_norms"], strict=True)) <= 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_matches_one_process(schedule):
+    ranks = run_ranks(train_job, 2, parity_config(FOUR_LAYERS, "parallel.pp=2",
+                                                  f"pipeline.schedule={schedule}", "pipeline.microbatches=4"))
+    _check_parity(ranks[0])
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss reaches every stage
+    stages = [m["stages"] for m in ranks[0]["mem"]]  # every stage runs on exactly one rank
+    assert sorted(s for ids in stages for s in ids) == list(range(len(stages[0]) * 2))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", ["1", "3"])
+def test_pipeline_with_sharded_data_parallel(zero):
+    ranks = run_ranks(train_job, 4, parity_config(FOUR_LAYERS, "parallel.pp=2", "parallel.dp_shard=2",
+                                                  f"parallel.zero_stage={zero}"))
+    _check_parity(ranks[0])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_3d_pipeline_fsdp_tensor_parallel_eight_ranks():
+    ranks = run_ranks(train_job, 8, parity_config(FOUR_LAYERS, "parallel.pp=2", "parallel.dp_shard=2",
+                                                  "parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true",
+                                                  "pipeline.schedule=interleaved-1f1b"), timeout_s=380)
+    _check_parity(ranks[0])
+    # Per-stage memory: every rank reports its own stages; peak_mem_bytes is the most-loaded one.
+    mem = ranks[0]["mem"]
+    assert ranks[0]["peak_mem_bytes"] == max(m["peak"] for m in mem)
+    assert {tuple(m["stages"]) for m in mem} == {(0, 2), (1, 3)}
+
+
+def test_balanced_split_counts_the_head_on_the_last_stage():
+    assert balanced_split(8, 2, layer_cost=1.0, head_cost=0.0) == [4, 4]
+    assert balanced_split(8, 2, layer_cost=1.0, head_cost=2.0) == [5, 3]
+    assert sum(balanced_split(80, 4, layer_cost=1.0, head_cost=3.0)) == 80
+
+
+def test_pipeline_validation_messages():
+    def shape(*overrides, world=2):
+        return resolve_run(load_config(None, ["model.preset=tiny", *overrides]), world)
+
+    with pytest.raises(ConfigError, match=r"2 × 2 = 4 stages, but the model has 2 layers"):
+        shape("parallel.pp=2", "pipeline.schedule=interleaved-1f1b")
+    with pytest.raises(ConfigError, match="zbv runs exactly 2"):
+        shape(FOUR_LAYERS, "parallel.pp=2", "pipeline.schedule=zbv", "pipeline.virtual_stages=1")
+    with pytest.raises(ConfigError, match="valid values: 1, 2, 4, 8"):
+        shape("parallel.pp=2", "pipeline.microbatches=3")
+    with pytest.raises(ConfigError, match="at least pp=2 micro-batches"):
+        shape("parallel.pp=2", "pipeline.microbatches=1")
+    with pytest.raises(ConfigError, match="untied embeddings"):
+        shape("model.preset=tiny-gpt", "parallel.pp=2")
+    with pytest.raises(ConfigError, match="add up to 4 layers"):
+        shape(FOUR_LAYERS, "parallel.pp=2", "pipeline.layers_per_stage=3,2")
+    plan = shape(FOUR_LAYERS, "parallel.pp=2", "pipeline.layers_per_stage=3,1").stages
+    assert plan.layers == ((0, 1, 2), (3,))
