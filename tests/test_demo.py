@@ -21,7 +21,7 @@ def test_demo_progression(tmp_path):
         assert entry["fits"] is False and entry["final_loss"] is None, name
         assert entry["peak_mem_bytes"] > budget  # measured without the budget
         assert "memory budget exceeded" in entry["error"]
-    for name in ("zero3", "fsdp-ac", "tp"):
+    for name in ("zero3", "fsdp-ac", "tp", "pp", "3d"):
         entry = summary[name]
         assert entry["fits"] is True and entry["final_loss"] is not None, name
         assert entry["peak_mem_bytes"] <= budget
@@ -34,6 +34,8 @@ def test_demo_progression(tmp_path):
     assert ddp["params"] + ddp["max"]["grads"] + ddp["max"]["optim"] > budget
     # The layouts that fit trained the same model on the same data: the same losses.
     assert summary["zero3"]["final_loss"] == pytest.approx(summary["fsdp-ac"]["final_loss"], abs=1e-5)
-    assert summary["tp"]["final_loss"] == pytest.approx(summary["zero3"]["final_loss"], abs=1e-5)
+    for name in ("tp", "pp", "3d"):
+        assert summary[name]["final_loss"] == pytest.approx(summary["zero3"]["final_loss"], abs=1e-5)
+    assert len(summary["3d"]["mem"]) == 8 and {tuple(m["stages"]) for m in summary["3d"]["mem"]} == {(0,), (1,)}
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
     assert "per-rank memory" in res.stdout and "zero3" in res.stdout
