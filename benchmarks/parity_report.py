@@ -28,6 +28,14 @@ LAYOUTS = {
     "tp gpt (tied)": (2, ["model.preset=tiny-gpt", "parallel.tp=2", "parallel.sp=true",
                           "parallel.loss_parallel=true"]),
     "tp2 x dp_shard2": (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.sp=true"]),
+    **{f"pp {name}": (2, ["model.n_layers=4", "parallel.pp=2", f"pipeline.schedule={name}",
+                          "pipeline.microbatches=4"])
+       for name in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")},
+    "pp2 x zero1": (4, ["model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"]),
+    "pp2 x zero3": (4, ["model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"]),
+    "3d pp2 x fsdp2 x tp2": (8, ["model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
+                                 "parallel.sp=true", "parallel.loss_parallel=true",
+                                 "pipeline.schedule=interleaved-1f1b"]),
     "zero3 bf16": (2, ["parallel.dp_shard=2", "parallel.mixed_precision=true"]),
     "ddp bf16 autocast": (2, ["parallel.dp_replicate=2", "train.precision=bf16"]),
 }
@@ -44,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     chosen = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
     refs: dict[str, dict] = {}
-    print(f"{'layout':20s} ranks  max|Δloss|   max|Δgrad-norm|")
+    print(f"{'layout':24s} ranks  max|Δloss|   max|Δgrad-norm|")
     for name in chosen:
         nproc, overrides = LAYOUTS[name]
         # Each layout is compared with one process running the same model (the preset, if overridden).
@@ -56,7 +64,7 @@ def main() -> None:
         res = run_ranks(job, nproc, BASE + overrides + ["train.log_every=1000"])[0]
         dl = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"], strict=True))
         dg = max(abs(a - b) for a, b in zip(res["grad_norms"], ref["grad_norms"], strict=True))
-        print(f"{name:20s} {nproc:5d}  {dl:10.2e}   {dg:10.2e}", flush=True)
+        print(f"{name:24s} {nproc:5d}  {dl:10.2e}   {dg:10.2e}", flush=True)
 
 
 if __name__ == "__main__":
