@@ -47,7 +47,7 @@ def test_bad_values_name_the_field(override, field, hint):
 def test_bad_override_syntax_and_section():
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(None, ["steps=3"])
-    with pytest.raises(ConfigError, match="valid sections: model, parallel, train, data"):
+    with pytest.raises(ConfigError, match="valid sections: model, parallel, pipeline, train, data"):
         load_config(None, ["optim.lr=3"])
 
 
