@@ -82,3 +82,18 @@ def test_pipeline_validation_messages():
         shape(FOUR_LAYERS, "parallel.pp=2", "pipeline.layers_per_stage=3,2")
     plan = shape(FOUR_LAYERS, "parallel.pp=2", "pipeline.layers_per_stage=3,1").stages
     assert plan.layers == ((0, 1, 2), (3,))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_tensor_parallel_plan_of_a_stage_names_only_its_modules(preset):
+    from meshfit.models import build_model, get_preset
+    from meshfit.parallel.pipeline import cut_stage
+    from meshfit.parallel.tensor_parallel import tp_plan
+
+    cfg = get_preset(preset)
+    for first, last, layers in ((True, False, (0,)), (False, True, (1,))):
+        stage = cut_stage(build_model(cfg, "meta"), layers, first, last)
+        plan = tp_plan(cfg, sp=True, loss_parallel=True, layers=list(stage.layers.keys()), first=first, last=last)
+        for path in plan:
+            stage.get_submodule(path)  # raises if the plan names a module the stage does not have
+        assert ("output" in plan) == last and ("tok_embeddings" in plan) == first

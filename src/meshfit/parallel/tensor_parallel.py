@@ -47,33 +47,42 @@ def _block_plan(family: str, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def tp_plan(cfg: ModelConfig, *, sp: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """The full plan for `cfg`'s model: module path (relative to the model) -> parallel style."""
+def tp_plan(cfg: ModelConfig, *, sp: bool, loss_parallel: bool, layers: list[str] | None = None,
+            first: bool = True, last: bool = True) -> dict[str, ParallelStyle]:
+    """The plan for `cfg`'s model: module path (relative to the model) -> parallel style.
+
+    A pipeline stage passes its own block names (`layers`) and whether it holds the embedding (`first`)
+    and the head (`last`), so the plan names only modules the stage has.
+    """
     residual = Shard(1) if sp else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "output": ColwiseParallel(input_layouts=residual,
-                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    if cfg.family == "llama":
+    layers = [str(i) for i in range(cfg.n_layers)] if layers is None else layers
+    plan: dict[str, ParallelStyle] = {}
+    if last:
+        plan["output"] = ColwiseParallel(input_layouts=residual,
+                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+        if sp:
+            plan["norm"] = SequenceParallel()
+    if first and cfg.family == "llama":
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-    else:
+    elif first:
         # Learned positions are added to the full token embeddings; the sequence split starts at block 0.
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if sp:
-            plan["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                  use_local_output=True)
-    if sp:
-        plan["norm"] = SequenceParallel()
-    for i in range(cfg.n_layers):
-        plan.update({f"layers.{i}.{path}": style for path, style in _block_plan(cfg.family, sp).items()})
+            plan[f"layers.{layers[0]}"] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                             desired_input_layouts=(Shard(1),),
+                                                             use_local_output=True)
+    for name in layers:
+        plan.update({f"layers.{name}.{path}": style for path, style in _block_plan(cfg.family, sp).items()})
     return plan
 
 
 def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, *, sp: bool,
                           loss_parallel: bool) -> None:
     """Shard `model` (on meta, before data-parallel wrapping) over the 1-D `tp` mesh, in place."""
-    parallelize_module(model, mesh, tp_plan(cfg, sp=sp, loss_parallel=loss_parallel))
+    plan = tp_plan(cfg, sp=sp, loss_parallel=loss_parallel, layers=list(model.layers.keys()),
+                   first=model.tok_embeddings is not None, last=model.output is not None)
+    parallelize_module(model, mesh, plan)
     if cfg.tie_embeddings:
         # Both the embedding and the head are split by vocabulary rows (Shard(0)): tie them again.
         model.output.weight = model.tok_embeddings.weight
