@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import ModelConfig
+from meshfit.models.tying import TiedHead
 
 
 class Attention(nn.Module):
@@ -60,7 +61,7 @@ class GPTBlock(nn.Module):
         return h + self.resid_drop(self.feed_forward(self.ffn_norm(h)))
 
 
-class GPT(nn.Module):
+class GPT(TiedHead):
     """Decoder-only GPT transformer mapping tokens ``[b, s]`` to logits ``[b, s, vocab]``.
 
     Pipeline stages: with ``tok_embeddings`` set to ``None`` the input is
@@ -79,18 +80,6 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Make ``output.weight`` the same Parameter as ``tok_embeddings.weight`` when tied."""
-        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
-
-    def _apply(self, fn, recurse: bool = True):
-        # to_empty() (meta -> real device) replaces each parameter separately,
-        # which would silently untie the shared weight.
-        out = super()._apply(fn, recurse)
-        self.tie_weights()
-        return out
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

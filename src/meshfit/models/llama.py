@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import ModelConfig
+from meshfit.models.tying import TiedHead
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,7 +117,7 @@ class LlamaBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
+class Llama(TiedHead):
     """Decoder-only Llama transformer mapping tokens ``[b, s]`` to logits ``[b, s, vocab]``.
 
     Pipeline stages: with ``tok_embeddings`` set to ``None`` the input is
@@ -133,18 +134,6 @@ class Llama(nn.Module):
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Make ``output.weight`` the same Parameter as ``tok_embeddings.weight`` when tied."""
-        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
-
-    def _apply(self, fn, recurse: bool = True):
-        # to_empty() (meta -> real device) replaces each parameter separately,
-        # which would silently untie the shared weight.
-        out = super()._apply(fn, recurse)
-        self.tie_weights()
-        return out
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
