@@ -1,0 +1,295 @@
+"""Analytic planner memory and the GPU catalog against published figures (pure arithmetic, no ranks)."""
+
+from dataclasses import FrozenInstanceError
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
+
+import pytest
+
+from meshfit.planner import (
+    GPUS,
+    Cluster,
+    activation_bytes_per_layer,
+    activation_terms_per_layer,
+    get_gpu,
+    model_state_bytes,
+    pipeline_in_flight_microbatches,
+)
+
+# --- Model states: ZeRO (Rajbhandari et al. 2020) ------------------------------------------------------
+
+
+def _gb(n: float) -> Decimal:
+    # The paper rounds half up to 0.1 GB (1.875 GB prints as 1.9), with GB = 1e9 bytes.
+    return (Decimal(n) / Decimal(10**9)).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP)
+
+
+def test_zero_paper_figure_1():
+    psi, n_d, k = 7_500_000_000, 64, 12
+    totals = [sum(model_state_bytes(psi, precision="mixed", optimizer="adamw", zero_stage=stage,
+                                    dp_shard=n_d).values()) for stage in range(4)]
+    assert [_gb(x) for x in totals] == [Decimal("120.0"), Decimal("31.4"), Decimal("16.6"), Decimal("1.9")]
+    # The paper's formulas: (2 + 2 + K)Ψ, 2Ψ + 2Ψ + KΨ/N_d, 2Ψ + (2 + K)Ψ/N_d, (2 + 2 + K)Ψ/N_d.
+    assert totals == [(4 + k) * psi, 4 * psi + k * psi / n_d, 2 * psi + (2 + k) * psi / n_d, (4 + k) * psi / n_d]
+
+
+def test_model_state_precisions_and_optimizers():
+    n = 1000
+    full = {"zero_stage": 0, "dp_shard": 1}
+    assert model_state_bytes(n, precision="fp32", optimizer="adamw", **full) == {
+        "params": 4000, "grads": 4000, "optim": 8000}  # the README's 16 bytes per parameter
+    assert model_state_bytes(n, precision="fp32", optimizer="sgd-momentum", **full)["optim"] == 4000
+    assert model_state_bytes(n, precision="mixed", optimizer="sgd-momentum", **full) == {
+        "params": 2000, "grads": 2000, "optim": 8000}
+    assert model_state_bytes(n, precision="bf16", optimizer="adamw", **full) == {
+        "params": 2000, "grads": 2000, "optim": 4000}
+    # DDP replicates whatever dp_shard says; each stage shards one more term.
+    assert model_state_bytes(n, precision="fp32", optimizer="adamw", zero_stage=0, dp_shard=8) == {
+        "params": 4000, "grads": 4000, "optim": 8000}
+    assert model_state_bytes(n, precision="fp32", optimizer="adamw", zero_stage=1, dp_shard=8) == {
+        "params": 4000, "grads": 4000, "optim": 1000}
+    assert model_state_bytes(n, precision="fp32", optimizer="adamw", zero_stage=2, dp_shard=8) == {
+        "params": 4000, "grads": 500, "optim": 1000}
+    assert model_state_bytes(n, precision="fp32", optimizer="adamw", zero_stage=3, dp_shard=8) == {
+        "params": 500, "grads": 500, "optim": 1000}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"precision": "fp16"}, "valid precisions: fp32, mixed, bf16"),
+    ({"optimizer": "lion"}, "valid optimizers: adamw, sgd-momentum"),
+    ({"zero_stage": 4}, "0, 1, 2 or 3"),
+    ({"dp_shard": 0}, "dp_shard"),
+])
+def test_model_state_rejects_bad_input(kwargs, match):
+    args = {"precision": "mixed", "optimizer": "adamw", "zero_stage": 1, "dp_shard": 2} | kwargs
+    with pytest.raises(ValueError, match=match):
+        model_state_bytes(100, **args)
+
+
+# --- Activations: Korthikanti et al. 2022 ---------------------------------------------------------------
+
+SHAPES = [
+    # (s, b, h, a, t)
+    (2048, 1, 12288, 96, 8),  # GPT-3 175B, as in the paper
+    (2048, 1, 12288, 96, 1),
+    (1024, 4, 1024, 16, 2),
+    (2048, 2, 4096, 32, 4),
+    (512, 8, 768, 12, 3),  # t that does not divide the constants 10, 24, 34
+    (128, 3, 256, 8, 4),
+]
+
+
+def _closed_forms(s, b, h, a, t):
+    # Table 2 of the paper, per layer, evaluated exactly.
+    sbh, attn = Fraction(s * b * h), Fraction(5 * a * s, h)
+    return {
+        (False, "none"): sbh * (10 + Fraction(24, t) + attn / t),
+        (True, "none"): sbh * (Fraction(34, t) + attn / t),
+        (False, "selective"): sbh * (10 + Fraction(24, t)),
+        (True, "selective"): sbh * Fraction(34, t),
+        (False, "full"): 2 * sbh,
+        (True, "full"): 2 * sbh / t,
+    }
+
+
+@pytest.mark.parametrize("s, b, h, a, t", SHAPES)
+def test_korthikanti_closed_forms_exact(s, b, h, a, t):
+    for (sp, recompute), expected in _closed_forms(s, b, h, a, t).items():
+        got = activation_bytes_per_layer(s=s, b=b, h=h, a=a, t=t, sp=sp, recompute=recompute)
+        assert got == float(expected), (sp, recompute)
+        terms = activation_terms_per_layer(s=s, b=b, h=h, a=a, t=t, sp=sp, recompute=recompute)
+        assert float(sum(Fraction(v) for v in terms.values())) == got
+    # Without tensor parallelism: sbh(34 + 5as/h).
+    got = activation_bytes_per_layer(s=s, b=b, h=h, a=a)
+    assert got == float(Fraction(s * b * h) * (34 + Fraction(5 * a * s, h))) == 34 * s * b * h + 5 * a * s * s * b
+
+
+def test_gpt3_175b_layer_in_bytes():
+    # sbh·34/t with t = 8, SP and selective recompute: 2048·12288·34/8 bytes per layer.
+    kw = {"s": 2048, "b": 1, "h": 12288, "a": 96, "t": 8}
+    assert activation_bytes_per_layer(**kw, sp=True, recompute="selective") == 106_954_752
+    # The attention core is the bulk without recompute: 5as²b/t = 251,658,240 bytes.
+    assert activation_bytes_per_layer(**kw, sp=True) == 106_954_752 + 251_658_240
+
+
+def test_per_tensor_terms():
+    s, b, h, a = 128, 2, 256, 8
+    sbh, core = s * b * h, a * s * s * b
+    terms = activation_terms_per_layer(s=s, b=b, h=h, a=a)
+    assert terms["attn.softmax_output"] == 2 * core and terms["attn.softmax_dropout_mask"] == core
+    assert terms["mlp.gelu_input"] == 8 * sbh and terms["mlp.dropout_mask"] == sbh
+    assert terms["ln1.input"] == terms["ln2.input"] == 2 * sbh
+    # Tensor parallelism splits heads and the MLP width; SP also splits the norms, inputs and masks.
+    tp = activation_terms_per_layer(s=s, b=b, h=h, a=a, t=4)
+    assert tp["attn.q"] == 2 * sbh / 4 and tp["ln1.input"] == 2 * sbh and tp["attn.dropout_mask"] == sbh
+    assert activation_terms_per_layer(s=s, b=b, h=h, a=a, t=4, sp=True)["ln1.input"] == 2 * sbh / 4
+    assert activation_terms_per_layer(s=s, b=b, h=h, a=a, recompute="full") == {"layer_input": 2 * sbh}
+
+
+@pytest.mark.parametrize("s, b, h, a, t", SHAPES)
+@pytest.mark.parametrize("sp", [False, True])
+def test_variants_move_the_right_way(s, b, h, a, t, sp):
+    kw = {"s": s, "b": b, "h": h, "a": a, "t": t, "sp": sp}
+    base = activation_bytes_per_layer(**kw)
+    flash = activation_bytes_per_layer(**kw, attention="flash")
+    no_dropout = activation_bytes_per_layer(**kw, dropout=False)
+    fp32 = activation_bytes_per_layer(**kw, bytes_per_value=4)
+    assert flash < base and no_dropout < base and fp32 > base
+    # Flash keeps an fp32 log-sum-exp (4asb) instead of the 5as²b attention core.
+    assert Fraction(flash) == Fraction(base) - Fraction(5 * a * s * s * b, t) + Fraction(4 * a * s * b, t)
+    # One-byte masks: two residual ones (sbh each, split like the residual stream) and the attention one.
+    masks = Fraction(2 * s * b * h, t if sp else 1) + Fraction(a * s * s * b, t)
+    # No dropout: the masks and the dropped-out copy of the probabilities (2as²b) are gone.
+    assert Fraction(no_dropout) == Fraction(base) - masks - Fraction(2 * a * s * s * b, t)
+    # fp32 doubles every stored value; the masks stay one byte.
+    assert Fraction(fp32) == 2 * Fraction(base) - masks
+    full = activation_bytes_per_layer(**kw, recompute="full")
+    selective = activation_bytes_per_layer(**kw, recompute="selective")
+    assert full < selective < base
+    # Selective recompute already drops the attention core, so flash changes nothing there.
+    assert activation_bytes_per_layer(**kw, recompute="selective", attention="flash") == selective
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"recompute": "some"}, "none, selective, full"),
+    ({"attention": "sdpa"}, "eager, flash"),
+    ({"t": 0}, "t=0"),
+    ({"bytes_per_value": 0}, "bytes_per_value"),
+])
+def test_activation_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        activation_bytes_per_layer(**({"s": 8, "b": 1, "h": 16, "a": 2} | kwargs))
+
+
+# --- Hardware catalog --------------------------------------------------------------------------------
+
+NAMES = ["A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "MI300X", "L40S", "RTX-4090"]
+
+
+def test_catalog_entries():
+    assert list(GPUS) == NAMES
+    for name, gpu in GPUS.items():
+        assert gpu.name == name
+        assert gpu.bf16_flops > gpu.fp32_flops > 0 and gpu.hbm_bytes_per_s > 0
+        # Inside a node is faster than the network for every part.
+        assert gpu.intra_node_bytes_per_s > gpu.inter_node_bytes_per_s > 0
+    h100 = get_gpu("H100-SXM")
+    assert h100.memory_bytes == 80 * 2**30 and h100.bf16_flops == 989.4e12  # dense, not the 1,979 sparse
+    assert h100.intra_node_bytes_per_s == 450e9  # 900 GB/s NVLink, one direction
+    assert get_gpu("A100-80GB").bf16_flops == 312e12 and get_gpu("H200").memory_bytes == 141 * 2**30
+    # PCIe cards talk over PCIe inside the node.
+    assert get_gpu("L40S").intra_node_bytes_per_s == get_gpu("RTX-4090").intra_node_bytes_per_s == 32e9
+    assert get_gpu("H100-PCIe").intra_node_bytes_per_s == 64e9
+    with pytest.raises(FrozenInstanceError):
+        h100.memory_bytes = 1  # type: ignore[misc]
+
+
+def test_gpu_lookup_is_case_insensitive():
+    assert get_gpu("h100-sxm") is get_gpu("H100-SXM") is get_gpu("H100_SXM") is get_gpu(" h100 sxm ")
+    assert get_gpu("mi300x") is GPUS["MI300X"] and get_gpu("rtx-4090") is GPUS["RTX-4090"]
+
+
+def test_unknown_gpu_lists_valid_names():
+    with pytest.raises(ValueError) as err:
+        get_gpu("V100")
+    message = str(err.value)
+    assert "'V100'" in message and "valid GPUs: " + ", ".join(NAMES) in message
+
+
+def test_cluster():
+    cluster = Cluster(get_gpu("H100-SXM"), nodes=4, gpus_per_node=8)
+    assert cluster.world_size == 32 and cluster.gpu is GPUS["H100-SXM"]
+    assert Cluster("b200", nodes=2).world_size == 16 and Cluster("b200").gpu is GPUS["B200"]
+    with pytest.raises(ValueError, match="nodes"):
+        Cluster(GPUS["L40S"], nodes=0)
+    with pytest.raises(ValueError, match="valid GPUs"):
+        Cluster("TPU-v5", nodes=1)
+
+
+# --- Pipeline schedules ------------------------------------------------------------------------------
+
+
+def test_gpipe_and_1f1b_in_flight():
+    pp, m = 4, 8
+    assert [pipeline_in_flight_microbatches("1f1b", pp, r, m) for r in range(pp)] == [4, 3, 2, 1]
+    assert [pipeline_in_flight_microbatches("gpipe", pp, r, m) for r in range(pp)] == [8] * pp
+    # Fewer micro-batches than stages: a stage cannot hold more than there are.
+    assert [pipeline_in_flight_microbatches("1f1b", pp, r, 2) for r in range(pp)] == [2, 2, 2, 1]
+    assert pipeline_in_flight_microbatches("1f1b", 1, 0, 5) == 1
+
+
+@pytest.mark.parametrize("pp, v", [(2, 2), (4, 2), (4, 4), (8, 3)])
+def test_interleaved_first_stage_matches_narayanan(pp, v):
+    # (1 + (pp-1)/(pp·v))·pp micro-batches of a rank's layers = pp·v + pp - 1 micro-batch-stages.
+    for m in (2 * pp, 3 * pp, 4 * pp):
+        got = pipeline_in_flight_microbatches("interleaved-1f1b", pp, 0, m, virtual=v)
+        assert Fraction(got, v) == (1 + Fraction(pp - 1, pp * v)) * pp
+        last = pipeline_in_flight_microbatches("interleaved-1f1b", pp, pp - 1, m, virtual=v)
+        assert last == got - 2 * (pp - 1)
+
+
+def test_v_schedules_in_flight():
+    # ZB-V: the same peak as 1F1B's first stage (pp micro-batches of a rank's two stages) on every rank.
+    assert [pipeline_in_flight_microbatches("zbv", 4, r, 8, virtual=2) for r in range(4)] == [8] * 4
+    assert [pipeline_in_flight_microbatches("zbv", 4, r, 4, virtual=2) for r in range(4)] == [5, 6, 7, 8]
+    assert [pipeline_in_flight_microbatches("dualpipev", 4, r, 8, virtual=2) for r in range(4)] == [9] * 4
+    assert pipeline_in_flight_microbatches("interleaved-zb", 4, 3, 8, virtual=2) == 8
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (("zero-bubble", 4, 0, 8), {}, "valid schedules"),
+    (("1f1b", 4, 4, 8), {}, r"0\.\.3"),
+    (("1f1b", 4, 0, 8), {"virtual": 2}, "one stage per rank"),
+    (("zbv", 4, 0, 8), {}, "exactly 2"),
+    (("interleaved-1f1b", 4, 0, 8), {}, "≥ 2"),
+    (("interleaved-1f1b", 4, 0, 9), {"virtual": 2}, "multiple of 2"),
+    (("dualpipev", 4, 0, 6), {"virtual": 2}, "at least 2 · pp = 8"),
+])
+def test_pipeline_rejects_bad_input(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pipeline_in_flight_microbatches(*args, **kwargs)
+
+
+def _torch_rank_ops(name, pp, m, v, rank):
+    # Build only the op list torch's multi-stage schedules compute in __init__ (no process group).
+    from torch.distributed.pipelining import schedules
+
+    cls = {"interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+           "interleaved-zb": schedules.ScheduleInterleavedZeroBubble,
+           "zbv": schedules.ScheduleZBVZeroBubble, "dualpipev": schedules.ScheduleDualPipeV}[name]
+    sched = object.__new__(cls)
+    rounds = max(1, m // pp)
+    for key, value in {"pp_group_size": pp, "n_local_stages": v, "_n_microbatches": m, "rank": rank,
+                       "number_of_rounds": rounds, "microbatches_per_round": m // rounds,
+                       "num_stages": pp * v, "_num_stages": pp * v}.items():
+        setattr(sched, key, value)
+    return sched._calculate_single_rank_operations(rank)
+
+
+def _peak_alive(ops):
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    live = peak = 0
+    for op in ops:
+        for act in (op.sub_actions if op is not None and op.computation_type == C.OVERLAP_F_B else [op]):
+            if act is None:
+                continue
+            if act.computation_type == C.FORWARD:
+                live += 1
+                peak = max(peak, live)
+            elif act.computation_type in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
+                live -= 1
+    return peak
+
+
+def test_multi_stage_counts_follow_torch_op_order():
+    # Reads torch's private schedule op lists: if they move, this fails and the counts need re-checking.
+    cases = [(name, pp, m, v) for pp in (2, 3, 4) for m in range(1, 4 * pp + 1)
+             for name, vs in (("interleaved-1f1b", (2, 3)), ("interleaved-zb", (2, 3)), ("zbv", (2,)),
+                              ("dualpipev", (2,)))
+             for v in vs
+             if not (name == "dualpipev" and m < 2 * pp) and not (name.startswith("inter") and m % max(1, m // pp))]
+    for name, pp, m, v in cases:
+        for rank in range(pp):
+            torch_peak = _peak_alive(_torch_rank_ops(name, pp, m, v, rank))
+            assert pipeline_in_flight_microbatches(name, pp, rank, m, virtual=v) == torch_peak, (name, pp, m, v, rank)
