@@ -76,3 +76,23 @@ def test_token_file_and_text_sources(tmp_path):
     res = meshfit("train", *TINY, "--set", "data.source=tokens", "--set", f"data.path={bad}",
                   "--run-dir", str(tmp_path / "c"))
     assert res.returncode != 0 and "bad.npy" in res.stderr and "999" in res.stderr
+
+
+@pytest.mark.timeout(240)
+def test_runs_under_an_outer_torchrun(tmp_path):
+    """The multi-node path: plain torchrun starts the ranks, meshfit joins them."""
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "meshfit",
+                          "train", *TINY, "--set", "parallel.dp_replicate=2", "--run-dir", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and len(records[0]["mem"]) == 2
+
+
+@pytest.mark.timeout(240)
+def test_budget_error_under_an_outer_torchrun(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "meshfit",
+                          "train", *TINY, "--set", "parallel.dp_replicate=2", "--set", "train.memory_budget=2MiB",
+                          "--run-dir", str(tmp_path / "r")], capture_output=True, text=True, timeout=240)
+    assert res.returncode != 0
+    assert "memory budget exceeded on rank" in res.stderr
