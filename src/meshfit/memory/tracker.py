@@ -30,7 +30,6 @@ _CATEGORIES = {
 }
 # With offload these live in host memory; on a CPU-only machine they are taken off the device tally.
 _HOST_RESIDENT = ("Sharded Param", "Sharded Grad", "OptState")
-BREAKDOWN_KEYS = ("params", "grads", "optim", "activations", "other", "activations_other", "peak")
 
 
 def _tally(snap: dict[Any, int], host: tuple[str, ...]) -> int:

@@ -15,6 +15,7 @@ N is dp_shard; with dp_replicate > 1 the sharded state is replicated across dp_r
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -59,6 +60,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     fully_shard(model, **kwargs)
 
 
-def zero1_group(dims: ParallelDims, meshes: Meshes):
+def zero1_group(meshes: Meshes) -> dist.ProcessGroup:
     """The process group across which ZeRO-1 shards optimizer states: the dp_shard ranks."""
     return meshes.world["dp_shard"].get_group()

@@ -37,7 +37,3 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
         model = apply_ddp(model, meshes)
     return model
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside any data-parallel wrapper."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshfit.config import Config, ConfigError
+from meshfit.models import ModelConfig
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline import SCHEDULES, StagePlan, default_virtual_stages, plan_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
@@ -27,7 +28,7 @@ class RunShape:
     microbatches: int = 1  # pipeline micro-batches per optimizer step
 
 
-def _pipeline(cfg: Config, dims: ParallelDims, model, local_batch: int) -> tuple[StagePlan, int]:
+def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: int) -> tuple[StagePlan, int]:
     pipe = cfg.pipeline
     if model.tie_embeddings:
         raise ConfigError("parallel.pp > 1 needs untied embeddings (the embedding and the head sit on different "
@@ -62,7 +63,7 @@ def _pipeline(cfg: Config, dims: ParallelDims, model, local_batch: int) -> tuple
     return plan, micro
 
 
-def _check_tp(cfg: Config, dims: ParallelDims, stage: int, model) -> None:
+def _check_tp(cfg: Config, dims: ParallelDims, stage: int, model: ModelConfig) -> None:
     par = cfg.parallel
     if dims.tp == 1:
         for flag in ("sp", "loss_parallel"):

@@ -67,7 +67,7 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None) -> Run:
         model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
                             device=env.device, seed=cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.train, zero1_group(shape.dims, meshes) if shape.zero_stage == 1 else None)
+    optimizer = build_optimizer(model, cfg.train, zero1_group(meshes) if shape.zero_stage == 1 else None)
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
                          seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
                          cache_dir=str(run_dir) if run_dir else None)
