@@ -1,9 +1,8 @@
 """Pipeline parallelism: split the layers into stages (data), place stages on ranks, build the schedule.
 
 Stages are contiguous runs of transformer blocks; the first stage also holds the token embedding, the
-last the final norm, the output head and the loss. The split balances the forward FLOPs per token of each
-stage, with the head's matmul counted on the last stage (the embedding lookup costs next to nothing, so
-the first stage gets more blocks). Schedules come from torch.distributed.pipelining.
+last the final norm, the output head and the loss. The split (meshfit.parallel.split) balances the forward
+FLOPs per token of each stage. Schedules come from torch.distributed.pipelining.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from meshfit.models import ModelConfig
+from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 
 # meshfit name -> (torch schedule class name, virtual stages per rank: None = any ≥ 2, V-shaped placement)
 SCHEDULES = {
@@ -31,38 +31,6 @@ SCHEDULES = {
 def default_virtual_stages(schedule: str) -> int:
     fixed = SCHEDULES[schedule][1]
     return fixed if fixed is not None else 2
-
-
-def layer_flops(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of one transformer block (matmuls + attention scores and weighted sum)."""
-    kv = cfg.n_kv_heads * cfg.head_dim
-    attn = 2 * cfg.dim * (2 * cfg.dim + 2 * kv)
-    mlp = 2 * cfg.dim * cfg.ffn_hidden * (3 if cfg.family == "llama" else 2)
-    return attn + mlp + 4 * cfg.dim * seq_len
-
-
-def balanced_split(n_layers: int, n_stages: int, layer_cost: float, head_cost: float) -> list[int]:
-    """Layers per stage, contiguous, minimizing the most expensive stage (the head counts on the last)."""
-    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
-
-    def solve(start: int, stages: int) -> tuple[float, list[int]]:
-        # Cost of placing layers[start:] on `stages` stages, the last of which carries the head.
-        if (start, stages) in best:
-            return best[(start, stages)]
-        left = n_layers - start
-        if stages == 1:
-            result = (left * layer_cost + head_cost, [left])
-        else:
-            result = (float("inf"), [])
-            for take in range(1, left - stages + 2):
-                rest_cost, rest = solve(start + take, stages - 1)
-                cost = max(take * layer_cost, rest_cost)
-                if cost < result[0]:
-                    result = (cost, [take] + rest)
-        best[(start, stages)] = result
-        return result
-
-    return solve(0, n_stages)[1]
 
 
 @dataclass(frozen=True)
@@ -87,7 +55,7 @@ def plan_stages(cfg: ModelConfig, seq_len: int, pp: int, virtual: int, schedule:
                 layers_per_stage: list[int] | None) -> StagePlan:
     n_stages = pp * virtual
     counts = layers_per_stage or balanced_split(cfg.n_layers, n_stages, layer_flops(cfg, seq_len),
-                                                2.0 * cfg.dim * cfg.vocab_size)
+                                                head_flops(cfg))
     bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
     layers = tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(n_stages))
     return StagePlan(layers=layers, v_shape=SCHEDULES[schedule][2])

@@ -1,0 +1,194 @@
+"""The layout object shared by `meshfit plan`, `meshfit verify` and `meshfit train --plan`.
+
+A layout is data: the degrees of each parallel dimension, how data-parallel state is kept, the pipeline
+schedule and the micro-batch. Its keys are the keys of the `parallel` and `pipeline` config sections (plus
+`micro_batch` from `train`), so a plan can be printed, diffed, written to JSON and run as it is.
+The workload (sequence length, global batch, precision, optimizer, attention kind, dropout) is the other
+half of a plan: what is trained, independent of how it is laid out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+AC_MODES = ("none", "selective", "full")
+PRECISIONS = ("fp32", "mixed", "bf16")
+OPTIMIZERS = ("adamw", "sgd")
+ATTENTIONS = ("eager", "flash")
+# Stages per rank a schedule runs: None = any ≥ 2 (interleaved schedules).
+SCHEDULE_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": None, "interleaved-zb": None, "zbv": 2,
+                    "dualpipev": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a model is laid out over ``world_size`` ranks (keys as in the config's parallel/pipeline sections).
+
+    ``micro_batch`` is the sequences one rank runs per forward pass. Without pipelining the rank's batch
+    (global batch / dp) is split into accumulation steps of ``micro_batch``; with pipelining it is split into
+    ``local batch / micro_batch`` pipeline micro-batches.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    offload: bool = False
+    activation_checkpointing: str = "none"
+    sp: bool = False
+    loss_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def check(self) -> None:
+        """Raise ValueError naming the field when the layout cannot run (independent of the model)."""
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "virtual_stages", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"layout {name}={value!r} must be a positive integer")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"layout zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.zero_stage == 0 and self.dp_shard > 1:
+            raise ValueError(f"layout dp_shard={self.dp_shard} needs zero_stage 1, 2 or 3 (0 is DDP; use "
+                             "dp_replicate for plain replicas)")
+        if self.offload and self.zero_stage < 2:
+            raise ValueError("layout offload=true needs zero_stage 2 or 3")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"layout activation_checkpointing={self.activation_checkpointing!r}; "
+                             f"valid: {', '.join(AC_MODES)}")
+        if (self.sp or self.loss_parallel) and self.tp == 1:
+            raise ValueError("layout sp / loss_parallel need tp > 1")
+        if self.tp > 1 and self.dp > 1 and (self.zero_stage < 2 or self.dp_replicate > 1):
+            raise ValueError("layout tp > 1 with data parallelism needs dp_shard with zero_stage 2 or 3")
+        if self.schedule not in SCHEDULE_VIRTUAL:
+            raise ValueError(f"layout schedule={self.schedule!r}; valid: {', '.join(SCHEDULE_VIRTUAL)}")
+        fixed = SCHEDULE_VIRTUAL[self.schedule]
+        if self.pp > 1 and ((fixed is not None and self.virtual_stages != fixed)
+                            or (fixed is None and self.virtual_stages < 2)):
+            need = fixed if fixed is not None else "≥ 2"
+            raise ValueError(f"layout virtual_stages={self.virtual_stages}: schedule {self.schedule} runs {need}")
+
+    def describe(self) -> str:
+        """Short human name, e.g. ``zero3 dp_shard=64 · tp=8+sp · pp=4 1f1b · ac=full · mb=1``."""
+        parts = []
+        if self.dp > 1:
+            kind = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[self.zero_stage]
+            if self.dp_replicate > 1 and self.dp_shard > 1:
+                kind = f"hsdp-z{self.zero_stage} {self.dp_replicate}×{self.dp_shard}"
+            else:
+                kind += f" dp={self.dp}"
+            parts.append(kind)
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}" + ("+sp" if self.sp else "") + ("+lp" if self.loss_parallel else ""))
+        if self.pp > 1:
+            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"pp={self.pp} {self.schedule}{v}")
+        if self.offload:
+            parts.append("offload")
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac={self.activation_checkpointing}")
+        parts.append(f"mb={self.micro_batch}")
+        return " · ".join(parts) if parts else "single rank"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown layout key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+        layout = cls(**data)
+        layout.check()
+        return layout
+
+    def config_overrides(self, global_batch: int) -> list[str]:
+        """``--set`` overrides that make `meshfit train` run exactly this layout."""
+        sets = [f"parallel.{k}={getattr(self, k)}" for k in
+                ("dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "offload", "sp", "loss_parallel")]
+        if self.activation_checkpointing != "none":  # "none" is the default (and reads as null in --set)
+            sets.append(f"parallel.activation_checkpointing={self.activation_checkpointing}")
+        if self.pp > 1:
+            local = global_batch // self.dp
+            sets += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
+                     f"pipeline.microbatches={max(1, local // self.micro_batch)}", "train.micro_batch=null"]
+        else:
+            sets.append(f"train.micro_batch={self.micro_batch}")
+        return sets
+
+
+def parse_layout(text: str, base: Layout | None = None) -> Layout:
+    """``KEY=VAL,KEY=VAL`` (keys of :class:`Layout`) on top of ``base``; raises ValueError naming the key."""
+    values: dict[str, Any] = {}
+    types = {f.name: f.type for f in fields(Layout)}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in types:
+            raise ValueError(f"--layout item {item!r}: write KEY=VALUE with KEY one of {', '.join(types)}")
+        raw = raw.strip()
+        kind = types[key]
+        try:
+            if kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                values[key] = raw.lower() in ("true", "1", "yes")
+            elif kind == "int":
+                values[key] = int(raw)
+            else:
+                values[key] = raw
+        except ValueError:
+            raise ValueError(f"--layout {key}={raw!r}: expected {'true/false' if kind == 'bool' else kind}") from None
+    layout = replace(base or Layout(), **values)
+    if "zero_stage" not in values and layout.dp_shard > 1 and layout.zero_stage == 0:
+        layout = replace(layout, zero_stage=3)  # the config's default for sharded data parallelism
+    if "virtual_stages" not in values and layout.pp > 1:
+        fixed = SCHEDULE_VIRTUAL.get(layout.schedule, 1)
+        layout = replace(layout, virtual_stages=fixed if fixed is not None else 2)
+    layout.check()
+    return layout
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step trains: ``global_batch`` sequences of ``seq_len`` tokens.
+
+    precision: "fp32"; "mixed" = 16-bit compute copies with fp32 master weights, gradients reductions and
+    optimizer states (meshfit's mixed precision); "bf16" = pure bf16 weights, gradients and states.
+    attention: "eager" stores the attention scores; "flash" (fused SDPA) keeps only its output and a
+    log-sum-exp. dropout: the model's dropout probability (GPT family; 0 = no masks kept).
+    """
+
+    seq_len: int
+    global_batch: int
+    precision: str = "mixed"
+    optimizer: str = "adamw"
+    attention: str = "flash"
+    dropout: float = 0.0
+
+    def check(self) -> None:
+        for name in ("seq_len", "global_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name, valid in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("attention", ATTENTIONS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch

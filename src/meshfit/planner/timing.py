@@ -1,0 +1,298 @@
+"""Analytic step time of a layout: compute, exposed communication, pipeline bubble, offload and optimizer.
+
+A roofline-style estimate for ranking thousands of layouts, not a simulator: every term is plain float
+arithmetic on per-model quantities cached once, so a call costs microseconds. The model follows the
+literature it cites and the way meshfit's torch building blocks communicate:
+
+* Compute: training FLOPs per token from ``flops_per_token`` (6 · matmul params + attention, Kaplan/PaLM)
+  at ``efficiency`` × the datasheet peak (bf16 tensor cores for mixed/bf16, plain fp32 for fp32).
+  Activation recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models"): full re-runs every block's forward (+1/3 of the blocks' fwd+bwd FLOPs), selective
+  only the attention core (QKᵀ and attention × V, 4·s·dim FLOPs per token and layer).
+* Collectives are rings (Patarasuk & Yuan 2009; NCCL): all-reduce 2(n−1)/n · bytes/bw, all-gather and
+  reduce-scatter (n−1)/n · bytes/bw, plus a latency alpha per hop and call ((n−1) hops, twice for an
+  all-reduce, which is a reduce-scatter followed by an all-gather).
+* Tensor parallelism (Megatron, Shoeybi et al. 2019; with sequence parallelism Korthikanti et al. 2022):
+  per block two all-reduces of s·b·h activations in forward and two in backward (SP: all-gathers plus
+  reduce-scatters of the same bytes), two more with full recomputation; never overlapped.
+* Pipeline bubble (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM"): (p−1)/m of the ideal time for gpipe and 1f1b, (p−1)/(m·v) interleaved.
+* Placement: the mesh is (pp, dp_replicate, dp_shard, tp) outer to inner on consecutive ranks, so a
+  group of ``size`` ranks ``stride`` apart stays in one node iff stride · size ≤ gpus_per_node; a group
+  that spans nodes runs at the per-GPU inter-node rate.
+
+Not modelled: memory-bound element-wise kernels (norms, activations, softmax of flash attention), kernel
+launch gaps, stragglers, and the loss; ``efficiency`` absorbs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshfit.parallel.split import balanced_split, head_flops, layer_flops
+
+if TYPE_CHECKING:
+    from meshfit.models.config import ModelConfig
+    from meshfit.planner.hardware import Cluster
+    from meshfit.planner.layout import Layout, Workload
+
+# Achievable fraction of the peak FLOP/s for a whole training step's matmuls and attention. Public large
+# runs report 35–55% MFU in bf16 on A100/H100 (e.g. Megatron-LM, Narayanan et al. 2021: 52% on A100).
+EFFICIENCY = 0.5
+# Eager attention (materialised scores, memory-bound softmax) versus a fused kernel: FlashAttention
+# (Dao et al. 2022) reports 2–4× faster attention than the PyTorch baseline; we take the low end and apply
+# it to the attention-core FLOPs only.
+EAGER_ATTENTION_SLOWDOWN = 2.0
+# Latency per ring hop and collective call (NCCL's small-message latency is a few µs per step over
+# NVLink, more over InfiniBand/RoCE).
+ALPHA_INTRA_S = 5e-6
+ALPHA_INTER_S = 10e-6
+# Fraction of the link rate a large ring collective or send reaches (NCCL bus bandwidth vs. line rate).
+COLLECTIVE_BW_EFFICIENCY = 0.8
+# Fraction of the compute during which data-parallel communication and offload copies run hidden
+# (FSDP prefetching, DDP bucket hooks): the first gather and the last reduction of a pass stay exposed,
+# and communication kernels slow the compute they share the GPU with.
+DP_OVERLAP = 0.8
+# Zero-bubble schedules fill the 1F1B bubble with the split-off weight-gradient (W) passes: with equal
+# F, B and W times ZB-H1's bubble is (p−1)·(T_F + T_B − T_W) ≈ 1/3 of 1F1B's (Qi et al. 2024, "Zero
+# Bubble Pipeline Parallelism"); ZB-V and DualPipeV (DeepSeek-V3 report) do better once m ≥ 2p, so 1/3
+# of the interleaved bubble is a conservative figure for all three.
+ZERO_BUBBLE_FACTOR = 1.0 / 3.0
+# Effective host<->device copy rate per GPU: PCIe Gen4/Gen5 x16 links shared by GPU pairs and NICs on
+# common 8-GPU servers, pinned memory.
+PCIE_BYTES_PER_S = 25e9
+# Host memory bandwidth per GPU for the CPU optimizer step: a dual-socket server's ~400 GB/s over 8 GPUs.
+HOST_MEM_BYTES_PER_S = 50e9
+# Fraction of the HBM peak an element-wise (foreach/fused) optimizer step reaches.
+HBM_EFFICIENCY = 0.8
+# DDP's default gradient bucket (bucket_cap_mb=25): one all-reduce call per bucket.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+# Bytes per value: compute copies (activations, gathered weights) and kept weights/gradients. meshfit's
+# mixed precision keeps fp32 weights and gradients and reduces gradients in fp32; pure bf16 keeps all in bf16.
+_COMPUTE_BYTES = {"fp32": 4, "mixed": 2, "bf16": 2}
+_STORAGE_BYTES = {"fp32": 4, "mixed": 4, "bf16": 2}
+# Optimizer states per parameter, each in the storage dtype: AdamW's two moments, SGD's momentum.
+_STATES = {"adamw": 2, "sgd": 1}
+_ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+_V_SHAPED = ("zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds one optimizer step spends in each part, on the most-loaded rank; ``total_s`` is their sum."""
+
+    compute_s: float  # forward+backward(+recompute) matmul/attention time of the most-loaded rank, all micro-batches
+    recompute_s: float  # part of compute_s spent re-running forwards (activation checkpointing)
+    tp_comm_s: float  # exposed tensor-parallel collective time
+    dp_comm_s: float  # exposed data-parallel (all-reduce / reduce-scatter / all-gather) time
+    pp_comm_s: float  # point-to-point activation sends between stages
+    bubble_s: float  # pipeline idle time
+    offload_s: float  # exposed host<->device transfer time (offload), plus the CPU optimizer step
+    optimizer_s: float  # optimizer step (memory-bound over the rank's optimizer states)
+    total_s: float  # step time
+    tokens_per_s: float  # global tokens per second (workload.tokens / total_s)
+    mfu: float  # model FLOPs utilisation: tokens_per_s * model_flops_per_token / (world_size * peak)
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_terms(model: ModelConfig, seq_len: int) -> tuple[float, float, float, float, float]:
+    """(training FLOPs/token, block forward FLOPs/token, head forward FLOPs/token, attention-core forward
+    FLOPs/token per block, parameter count), computed once per model and sequence length."""
+    # Imported here: whoever passes a ModelConfig has loaded this module already.
+    from meshfit.models.config import flops_per_token, num_params
+
+    return (flops_per_token(model, seq_len), layer_flops(model, seq_len), head_flops(model),
+            4.0 * model.dim * seq_len, float(num_params(model)))
+
+
+@functools.lru_cache(maxsize=4096)
+def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float,
+                    head_cost: float) -> tuple[int, bool, bool]:
+    """(blocks, holds the embedding, holds the head) of the pipeline rank with the most forward FLOPs.
+
+    Stages split as ``plan_stages`` splits them; ranks hold stages round-robin (r, r+p, …) or V-shaped
+    (r and 2p−1−r), as ``StagePlan.stages_of_rank`` places them.
+    """
+    n_stages = pp * virtual
+    if n_stages == 1:
+        return n_layers, True, True
+    if n_stages > n_layers:
+        raise ValueError(f"pp × virtual_stages = {pp} × {virtual} = {n_stages} stages, but the model has "
+                         f"{n_layers} layers; every stage needs at least one layer")
+    counts = balanced_split(n_layers, n_stages, layer_cost, head_cost)
+    last = n_stages - 1
+    owned = [(r, 2 * pp - 1 - r) if v_shape else tuple(range(r, n_stages, pp)) for r in range(pp)]
+
+    def load(stages: tuple[int, ...]) -> float:
+        return sum(counts[s] for s in stages) * layer_cost + (head_cost if last in stages else 0.0)
+
+    worst = max(owned, key=load)
+    return sum(counts[s] for s in worst), 0 in worst, last in worst
+
+
+def _link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
+    """(bytes/s per GPU, latency per hop) of a group of ``size`` ranks ``stride`` apart in rank order."""
+    gpu = cluster.gpu
+    if stride * size > cluster.gpus_per_node:
+        return gpu.inter_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTER_S
+    return gpu.intra_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTRA_S
+
+
+def _ring(n: int, nbytes: float, link: tuple[float, float], phases: int = 1, calls: float = 1.0) -> float:
+    """Ring collective over n ranks of an ``nbytes`` buffer: phases=1 all-gather/reduce-scatter, 2 all-reduce."""
+    if n == 1:
+        return 0.0
+    bw, alpha = link
+    return phases * ((n - 1) / n * nbytes / bw + calls * alpha * (n - 1))
+
+
+def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: int, cbytes: int,
+             rank: tuple[int, bool, bool]) -> float:
+    """Tensor-parallel collective seconds of one micro-batch on the bottleneck rank."""
+    tp = layout.tp
+    blocks, has_embed, has_head = rank
+    link = _link(cluster, 1, tp)
+    per_block = 6 if layout.activation_checkpointing == "full" else 4  # all-reduce equivalents
+    # Embedding (vocab-parallel rows): one reduction in forward (a reduce-scatter with SP, except GPT's,
+    # whose learned positions are added to the full sequence). Head (vocab-parallel columns): its input
+    # gradient is reduced in backward (with SP the input is gathered in forward and scattered back).
+    embed = 0.5 if layout.sp and model.family == "llama" else 1.0
+    n_ar = blocks * per_block + embed * has_embed + has_head
+    t = n_ar * _ring(tp, mb_tokens * model.dim * cbytes, link, phases=2)
+    if has_head and not layout.loss_parallel:  # vocab-sharded logits are gathered for the loss
+        t += _ring(tp, mb_tokens * model.vocab_size * cbytes, link)
+    return t
+
+
+def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, m: int, compute_s: float,
+             recompute_s: float, cbytes: int, sbytes: int, overlap: float) -> tuple[float, int, int]:
+    """(exposed data-parallel seconds, parameter gathers per step, gradient reductions per step).
+
+    DDP (stages 0/1) all-reduces the gradients once, during the last micro-batch's backward (no_sync
+    before); ZeRO-1 then all-gathers the updated parameters after the step, exposed. FSDP (stages 2/3)
+    gathers each block's weights in the compute dtype and reduce-scatters the gradients every micro-batch;
+    stage 3 gathers again for backward; HSDP all-reduces the reduced shard across replicas. Under a
+    pipeline schedule torch's stages skip the gradient sync and the post-backward reshard until the
+    step's end, so gradients are reduced once, exposed, and stage 2 gathers once per step, stage 3 once
+    per warm-up forward (min(p, m)) and once per backward.
+    """
+    tp, shard, replicate = layout.tp, layout.dp_shard, layout.dp_replicate
+    if layout.zero_stage <= 1:
+        grads = rank_params * sbytes
+        backward_last = ((compute_s - recompute_s) * 2.0 / 3.0 + recompute_s) / m
+        t = _ring(layout.dp, grads, _link(cluster, tp, layout.dp), 2, math.ceil(grads / DDP_BUCKET_BYTES))
+        exposed = max(0.0, t - overlap * backward_last)
+        if layout.zero_stage == 1:
+            exposed += _ring(shard, grads, _link(cluster, tp, shard))
+        return exposed, 0, 0
+    calls = blocks + 1  # one gather/reduction per block plus the root module (embeddings, norm, head)
+    shard_link = _link(cluster, tp, shard)
+    gather = _ring(shard, rank_params * cbytes, shard_link, calls=calls)
+    reduce = (_ring(shard, rank_params * sbytes, shard_link, calls=calls)
+              + _ring(replicate, rank_params * sbytes / shard, _link(cluster, tp * shard, replicate), 2, calls))
+    if layout.pp == 1:
+        gathers, reductions = m * (2 if layout.zero_stage == 3 else 1), m
+        hidden, fixed = gathers * gather + reductions * reduce, 0.0
+    else:
+        gathers, reductions = (m + min(layout.pp, m)) if layout.zero_stage == 3 else 1, 1
+        hidden, fixed = gathers * gather, reduce
+    return max(0.0, hidden - overlap * compute_s) + fixed, gathers, reductions
+
+
+def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: float,
+           dp_overlap: float) -> tuple[int, int]:
+    """(sequences per data-parallel rank, micro-batches per step), or ValueError naming the mismatch."""
+    if layout.world_size != cluster.world_size:
+        raise ValueError(
+            f"layout world size {layout.world_size} ({layout.describe()}: dp_replicate × dp_shard × tp × pp) "
+            f"differs from the cluster's world size {cluster.world_size} ({cluster.nodes} nodes × "
+            f"{cluster.gpus_per_node} {cluster.gpu.name})")
+    if workload.precision not in _COMPUTE_BYTES or workload.optimizer not in _STATES:
+        raise ValueError(f"workload precision={workload.precision!r} / optimizer={workload.optimizer!r}; "
+                         f"valid: {', '.join(_COMPUTE_BYTES)} / {', '.join(_STATES)}")
+    if not (0.0 < efficiency <= 1.0 and 0.0 <= dp_overlap <= 1.0):
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1] and dp_overlap={dp_overlap} in [0, 1]")
+    local, rest = divmod(workload.global_batch, layout.dp)
+    if rest or local == 0:
+        raise ValueError(f"global_batch={workload.global_batch} is not a multiple of the data-parallel degree "
+                         f"{layout.dp}")
+    if local % layout.micro_batch:
+        raise ValueError(f"micro_batch={layout.micro_batch} does not divide the per-rank batch {local} "
+                         f"(global_batch {workload.global_batch} / dp {layout.dp})")
+    return local, local // layout.micro_batch
+
+
+def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cluster, *,
+              efficiency: float = EFFICIENCY, dp_overlap: float = DP_OVERLAP) -> StepTime:
+    """Predicted time of one optimizer step of ``workload`` under ``layout`` on ``cluster``.
+
+    ``efficiency``: achievable fraction of the peak FLOP/s. ``dp_overlap``: fraction of the compute that
+    hides data-parallel communication and offload copies (0 exposes all of it). The layout and workload
+    are assumed to pass their own ``check()``; raises ValueError when the layout's world size differs
+    from the cluster's, when the batch does not split into the layout's micro-batches, or when the
+    pipeline has more stages than the model has layers.
+    """
+    local, m = _check(layout, workload, cluster, efficiency, dp_overlap)
+    precision, s, tp, pp = workload.precision, workload.seq_len, layout.tp, layout.pp
+    fpt, layer, head, core, n_params = _model_terms(model, s)
+    gpu = cluster.gpu
+    peak = gpu.fp32_flops if precision == "fp32" else gpu.bf16_flops
+    cbytes, sbytes = _COMPUTE_BYTES[precision], _STORAGE_BYTES[precision]
+    virtual = layout.virtual_stages if pp > 1 else 1
+    rank = bottleneck_rank(model.n_layers, pp, virtual, layout.schedule in _V_SHAPED, layer, head)
+    blocks, _, has_head = rank
+
+    # Compute: the bottleneck rank's share of the model FLOPs, 1/tp of it per tensor-parallel rank.
+    share = (blocks * layer + head * has_head) / (model.n_layers * layer + head)
+    core_r = blocks * core / tp  # attention-core forward FLOPs per token on this rank
+    ac = layout.activation_checkpointing
+    redo = blocks * layer / tp if ac == "full" else core_r if ac == "selective" else 0.0
+    redo_core = core_r if ac != "none" else 0.0
+    slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
+    rate = peak * efficiency
+    tokens = local * s  # tokens of this rank's sequences per step
+    compute_s = tokens * (fpt * share / tp + redo + slow * (3.0 * core_r + redo_core)) / rate
+    recompute_s = tokens * (redo + slow * redo_core) / rate
+
+    mb_tokens = layout.micro_batch * s
+    tp_comm_s = m * _tp_comm(model, layout, cluster, mb_tokens, cbytes, rank) if tp > 1 else 0.0
+    rank_params = n_params / (tp * pp)
+    # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
+    dp_comm_s, gathers, reductions = _dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
+                                              cbytes, sbytes, dp_overlap)
+
+    bubble_s = pp_comm_s = 0.0
+    if pp > 1:
+        factor = (pp - 1) / (m * virtual)  # gpipe and 1f1b run one stage per rank (virtual = 1)
+        if layout.schedule in _ZERO_BUBBLE:
+            factor *= ZERO_BUBBLE_FACTOR
+        bubble_s = factor * (compute_s + tp_comm_s)
+        # Each micro-batch's activation goes forward and its gradient back across each of the rank's
+        # stages; with SP the residual stream between blocks is sequence-sharded.
+        bw, alpha = _link(cluster, tp * layout.dp, pp)
+        send = mb_tokens * model.dim * cbytes / (tp if layout.sp else 1)
+        pp_comm_s = 2 * m * virtual * (alpha + send / bw)
+
+    # Optimizer step over the rank's share (ZeRO ≥ 1 updates 1/dp_shard), memory-bound; with offload it
+    # runs on the host and the sharded weights/gradients cross PCIe once per gather/reduction.
+    owned = rank_params / (layout.dp_shard if layout.zero_stage >= 1 else 1)
+    step_bytes = 2.0 * owned * sbytes * (2 + _STATES[workload.optimizer])  # weights, grads, states
+    offload_s = 0.0
+    if layout.offload:
+        # FSDP copies the shard to the device in its kept dtype and casts there.
+        copies = (gathers + reductions) * owned * sbytes / PCIE_BYTES_PER_S
+        offload_s = max(0.0, copies - dp_overlap * compute_s) + step_bytes / HOST_MEM_BYTES_PER_S
+        optimizer_s = 0.0
+    else:
+        optimizer_s = step_bytes / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
+
+    total = compute_s + tp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
+    tokens_per_s = workload.tokens / total
+    return StepTime(compute_s=compute_s, recompute_s=recompute_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s,
+                    pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s, optimizer_s=optimizer_s,
+                    total_s=total, tokens_per_s=tokens_per_s,
+                    mfu=tokens_per_s * fpt / (layout.world_size * peak))

@@ -1,0 +1,271 @@
+"""Analytic step time: compute, communication, bubble and throughput of layouts (pure arithmetic, no ranks)."""
+
+from dataclasses import replace
+
+import pytest
+
+from meshfit.models.config import flops_per_token
+from meshfit.models.presets import PRESETS, get_preset
+from meshfit.parallel.pipeline import StagePlan, plan_stages
+from meshfit.parallel.split import balanced_split, layer_flops
+from meshfit.planner.hardware import Cluster
+from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.timing import (
+    EAGER_ATTENTION_SLOWDOWN,
+    EFFICIENCY,
+    ZERO_BUBBLE_FACTOR,
+    StepTime,
+    bottleneck_rank,
+    step_time,
+)
+
+LLAMA8B = get_preset("llama3-8b")
+NODE = Cluster("H100-SXM", nodes=1, gpus_per_node=8)
+LONG = Workload(seq_len=8192, global_batch=32)
+PARTS = ("compute_s", "tp_comm_s", "dp_comm_s", "pp_comm_s", "bubble_s", "offload_s", "optimizer_s")
+
+
+def _time(layout: Layout, workload: Workload = LONG, cluster: Cluster = NODE, model=LLAMA8B, **kw) -> StepTime:
+    layout.check()
+    return step_time(model, layout, workload, cluster, **kw)
+
+
+def _cluster(world: int, per_node: int = 8) -> Cluster:
+    return Cluster("H100-SXM", nodes=max(1, world // per_node), gpus_per_node=min(world, per_node))
+
+
+# --- Agreement with the pipeline's own split -----------------------------------------------------------
+
+
+def _exhaustive_split(n_layers: int, n_stages: int, layer_cost: float, head_cost: float) -> list[int]:
+    """Reference: search every contiguous split for the smallest most-expensive stage (O(layers² · stages))."""
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
+
+    def solve(start: int, stages: int) -> tuple[float, list[int]]:
+        if (start, stages) in best:
+            return best[(start, stages)]
+        left = n_layers - start
+        if stages == 1:
+            result = (left * layer_cost + head_cost, [left])
+        else:
+            result = (float("inf"), [])
+            for take in range(1, left - stages + 2):
+                rest_cost, rest = solve(start + take, stages - 1)
+                cost = max(take * layer_cost, rest_cost)
+                if cost < result[0]:
+                    result = (cost, [take] + rest)
+        best[(start, stages)] = result
+        return result
+
+    return solve(0, n_stages)[1]
+
+
+def test_balanced_split_equals_the_exhaustive_search():
+    for model in PRESETS.values():
+        for seq in (128, 8192):
+            layer, head = layer_flops(model, seq), 2.0 * model.dim * model.vocab_size
+            for stages in (2, 3, 4, 5, 7, 8, 12, 16, 24, 32):
+                if stages > min(model.n_layers, 3000 // model.n_layers):  # the reference is O(layers²·stages)
+                    continue
+                assert balanced_split(model.n_layers, stages, layer, head) == \
+                    _exhaustive_split(model.n_layers, stages, layer, head), (model, seq, stages)
+
+
+def _most_loaded(plan: StagePlan, pp: int, layer: float, head: float) -> tuple[int, bool, bool]:
+    # (blocks, first stage, last stage) of the rank whose stages cost the most forward FLOPs.
+    last = plan.n_stages - 1
+    ranks = [plan.stages_of_rank(rank, pp) for rank in range(pp)]
+    worst = max(ranks, key=lambda ids: sum(len(plan.layers[i]) for i in ids) * layer + head * (last in ids))
+    return sum(len(plan.layers[i]) for i in worst), 0 in worst, last in worst
+
+
+def test_bottleneck_rank_is_the_most_loaded_rank_of_the_pipeline_plan():
+    for model in (LLAMA8B, get_preset("llama3-70b"), get_preset("small")):
+        layer, head = layer_flops(model, 4096), 2.0 * model.dim * model.vocab_size
+        assert bottleneck_rank(model.n_layers, 1, 1, False, layer, head) == (model.n_layers, True, True)
+        for pp, schedule, v in ((2, "1f1b", 1), (4, "1f1b", 1), (2, "interleaved-1f1b", 2), (4, "zbv", 2),
+                                (2, "dualpipev", 2), (4, "interleaved-zb", 3)):
+            if pp * v > model.n_layers:
+                continue
+            plan = plan_stages(model, 4096, pp, v, schedule, None)
+            expected = _most_loaded(plan, pp, layer, head)
+            assert bottleneck_rank(model.n_layers, pp, v, plan.v_shape, layer, head) == expected
+    with pytest.raises(ValueError, match="33 stages"):
+        bottleneck_rank(32, 11, 3, False, 1.0, 1.0)
+
+
+# --- Compute and recomputation ---------------------------------------------------------------------------
+
+
+def test_single_rank_compute_is_the_model_flops_at_the_assumed_efficiency():
+    model, work = get_preset("llama3-1b"), Workload(seq_len=2048, global_batch=64)
+    t = _time(Layout(micro_batch=2), work, _cluster(1), model)
+    peak = NODE.gpu.bf16_flops
+    assert t.compute_s == pytest.approx(work.tokens * flops_per_token(model, 2048) / (EFFICIENCY * peak))
+    assert t.tp_comm_s == t.dp_comm_s == t.pp_comm_s == t.bubble_s == t.offload_s == 0.0
+    # Only the optimizer step adds to the compute: MFU within 2% of the efficiency, never above it.
+    assert EFFICIENCY * 0.98 < t.mfu <= EFFICIENCY
+
+
+def test_recompute_costs_follow_korthikanti():
+    base = Layout(dp_shard=8, zero_stage=3)
+    none = _time(base)
+    full = _time(replace(base, activation_checkpointing="full"))
+    selective = _time(replace(base, activation_checkpointing="selective"))
+    assert none.recompute_s == 0.0
+    # Full: one more forward of every block = 1/3 of the blocks' forward+backward FLOPs.
+    blocks = LLAMA8B.n_layers * layer_flops(LLAMA8B, 8192)
+    assert full.recompute_s == pytest.approx(none.compute_s * blocks / flops_per_token(LLAMA8B, 8192))
+    assert full.compute_s == pytest.approx(none.compute_s + full.recompute_s)
+    # Selective: only the attention core's forward, 4·s·dim FLOPs per token and block.
+    core = LLAMA8B.n_layers * 4 * 8192 * LLAMA8B.dim
+    assert selective.recompute_s == pytest.approx(none.compute_s * core / flops_per_token(LLAMA8B, 8192))
+    assert 0 < selective.recompute_s < full.recompute_s / 3
+
+
+def test_eager_attention_is_slower_than_flash_on_the_attention_core_only():
+    flash = _time(Layout(dp_shard=8, zero_stage=3))
+    eager = _time(Layout(dp_shard=8, zero_stage=3), replace(LONG, attention="eager"))
+    core_share = 12 * LLAMA8B.n_layers * LLAMA8B.dim * 8192 / flops_per_token(LLAMA8B, 8192)
+    assert eager.compute_s == pytest.approx(flash.compute_s * (1 + (EAGER_ATTENTION_SLOWDOWN - 1) * core_share))
+
+
+def test_fp32_is_slower_than_mixed():
+    layout = Layout(dp_shard=8, zero_stage=3)
+    fp32, mixed = _time(layout, replace(LONG, precision="fp32")), _time(layout)
+    assert fp32.compute_s > 10 * mixed.compute_s  # plain fp32 vs bf16 tensor cores
+    assert fp32.total_s > mixed.total_s and fp32.tokens_per_s < mixed.tokens_per_s
+
+
+# --- Pipeline bubble and point-to-point ------------------------------------------------------------------
+
+
+def test_bubble_is_p_minus_1_over_m_and_divides_by_v_interleaved():
+    work = Workload(seq_len=2048, global_batch=16)
+    one = _time(Layout(pp=4, schedule="1f1b"), work, _cluster(4))
+    assert one.bubble_s == pytest.approx(3 / 16 * one.compute_s)
+    gpipe = _time(Layout(pp=4, schedule="gpipe"), work, _cluster(4))
+    assert gpipe.bubble_s == pytest.approx(one.bubble_s)
+    for v in (2, 4):
+        inter = _time(Layout(pp=4, schedule="interleaved-1f1b", virtual_stages=v), work, _cluster(4))
+        assert inter.bubble_s == pytest.approx(3 / (16 * v) * inter.compute_s)
+        assert inter.pp_comm_s == pytest.approx(v * one.pp_comm_s)  # v times the stage boundaries
+
+
+def test_more_microbatches_shrink_the_bubble():
+    layout = Layout(pp=4, schedule="1f1b", micro_batch=4)
+    bubbles = [_time(replace(layout, micro_batch=mb), Workload(2048, 32), _cluster(4)).bubble_s for mb in (8, 4, 2, 1)]
+    assert bubbles == sorted(bubbles, reverse=True) and bubbles[0] > 4 * bubbles[-1]
+
+
+def test_zero_bubble_schedules_beat_1f1b():
+    work, cluster = Workload(seq_len=2048, global_batch=16), _cluster(4)
+    one = _time(Layout(pp=4, schedule="1f1b"), work, cluster)
+    for schedule, v in (("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2)):
+        zb = _time(Layout(pp=4, schedule=schedule, virtual_stages=v), work, cluster)
+        assert zb.bubble_s == pytest.approx(3 / (16 * v) * ZERO_BUBBLE_FACTOR * zb.compute_s)
+        assert zb.bubble_s < one.bubble_s
+
+
+# --- Tensor and data parallelism -------------------------------------------------------------------------
+
+
+def test_tp_comm_grows_when_tp_spans_nodes():
+    layout = Layout(tp=8, sp=True)
+    inside = _time(layout, cluster=Cluster("H100-SXM", nodes=1, gpus_per_node=8))
+    across = _time(layout, cluster=Cluster("H100-SXM", nodes=2, gpus_per_node=4))
+    assert across.tp_comm_s > 5 * inside.tp_comm_s  # 50 GB/s NIC vs 450 GB/s NVLink
+    assert across.compute_s == inside.compute_s
+
+
+def test_loss_parallel_saves_the_logits_gather_and_full_ac_repeats_the_forward_reductions():
+    base = _time(Layout(tp=8))
+    assert _time(Layout(tp=8, loss_parallel=True)).tp_comm_s < base.tp_comm_s
+    assert _time(Layout(tp=8, activation_checkpointing="full")).tp_comm_s > base.tp_comm_s
+    assert _time(Layout(tp=8, activation_checkpointing="selective")).tp_comm_s == base.tp_comm_s
+
+
+def test_zero3_communicates_1_5x_zero2_before_overlap():
+    # All-gather twice + reduce-scatter vs once + once, at equal bytes per value (fp32 and pure bf16)...
+    for precision in ("fp32", "bf16"):
+        work = replace(LONG, precision=precision)
+        z2 = _time(Layout(dp_shard=8, zero_stage=2), work, dp_overlap=0.0).dp_comm_s
+        z3 = _time(Layout(dp_shard=8, zero_stage=3), work, dp_overlap=0.0).dp_comm_s
+        assert z3 == pytest.approx(1.5 * z2)
+    # ...and 4/3 of the bandwidth term with mixed precision, which gathers 2-byte weights but reduces
+    # 4-byte gradients (the per-call latency still counts 3 vs 2 collectives).
+    z2 = _time(Layout(dp_shard=8, zero_stage=2), dp_overlap=0.0).dp_comm_s
+    z3 = _time(Layout(dp_shard=8, zero_stage=3), dp_overlap=0.0).dp_comm_s
+    assert 4 / 3 * z2 < z3 < 1.01 * 4 / 3 * z2
+
+
+def test_overlap_hides_dp_comm_and_dp_across_nodes_costs_more():
+    layout = Layout(dp_shard=16, zero_stage=3)
+    work = Workload(seq_len=2048, global_batch=16)
+    exposed, hidden = _time(layout, work, _cluster(16), dp_overlap=0.0), _time(layout, work, _cluster(16))
+    assert hidden.dp_comm_s < exposed.dp_comm_s
+    one_node = _time(Layout(dp_shard=8, zero_stage=3), work, _cluster(8), dp_overlap=0.0)
+    assert exposed.dp_comm_s > 3 * one_node.dp_comm_s
+    # HSDP keeps the shard group inside the node and only all-reduces a 1/8 shard across nodes.
+    hsdp = _time(Layout(dp_replicate=2, dp_shard=8, zero_stage=3), work, _cluster(16), dp_overlap=0.0)
+    assert hsdp.dp_comm_s < exposed.dp_comm_s
+
+
+def test_pure_dp_mfu_is_at_most_the_efficiency():
+    for layout in (Layout(dp_replicate=8), Layout(dp_shard=8, zero_stage=1), Layout(dp_shard=8, zero_stage=2),
+                   Layout(dp_shard=8, zero_stage=3), Layout(dp_shard=8, zero_stage=3, offload=True)):
+        t = _time(layout, model=get_preset("llama3-1b"))
+        assert 0 < t.mfu <= EFFICIENCY, layout
+        assert _time(layout, model=get_preset("llama3-1b"), efficiency=0.3).mfu <= 0.3
+
+
+def test_offload_pays_the_host_optimizer_step():
+    on, off = _time(Layout(dp_shard=8, zero_stage=3, offload=True)), _time(Layout(dp_shard=8, zero_stage=3))
+    assert on.offload_s > 0 and on.optimizer_s == 0 and off.offload_s == 0 and off.optimizer_s > 0
+    assert on.total_s > off.total_s
+
+
+# --- Throughput and consistency --------------------------------------------------------------------------
+
+
+def test_parts_add_up_and_throughput_is_consistent():
+    layouts = (Layout(), Layout(dp_shard=4, zero_stage=3, tp=2, sp=True, activation_checkpointing="selective"),
+               Layout(pp=2, dp_shard=2, zero_stage=2, tp=2, schedule="interleaved-1f1b", virtual_stages=2),
+               Layout(pp=8, schedule="zbv", virtual_stages=2), Layout(dp_replicate=2, dp_shard=4, zero_stage=3))
+    for layout in layouts:
+        cluster = _cluster(layout.world_size)
+        t = _time(layout, cluster=cluster)
+        assert t.total_s == pytest.approx(sum(getattr(t, name) for name in PARTS))
+        assert all(getattr(t, name) >= 0 for name in PARTS) and t.recompute_s <= t.compute_s
+        assert t.tokens_per_s == pytest.approx(LONG.tokens / t.total_s)
+        peak = layout.world_size * cluster.gpu.bf16_flops
+        assert t.mfu == pytest.approx(t.tokens_per_s * flops_per_token(LLAMA8B, 8192) / peak)
+
+
+def test_more_data_parallel_ranks_raise_throughput():
+    work = Workload(seq_len=4096, global_batch=64)
+    # Inside a node the gathers hide behind the compute: nearly linear.
+    rates = [_time(Layout(dp_shard=n, zero_stage=3), work, _cluster(n)).tokens_per_s for n in (1, 2, 4, 8)]
+    assert rates == sorted(rates) and rates[-1] > 7.5 * rates[0]
+    # Across nodes, with one micro-batch per step so that each rank gathers once per forward and backward.
+    rates = [_time(Layout(dp_shard=n, zero_stage=3, micro_batch=64 // n), work, _cluster(n)).tokens_per_s
+             for n in (8, 16, 32)]
+    assert rates == sorted(rates)
+    ddp = [_time(Layout(dp_replicate=n), work, _cluster(n), get_preset("llama3-1b")).tokens_per_s
+           for n in (1, 2, 4, 8, 16, 32)]
+    assert ddp == sorted(ddp)
+
+
+def test_rejects_a_layout_for_another_world_size():
+    with pytest.raises(ValueError, match=r"layout world size 4 .*cluster's world size 8"):
+        _time(Layout(dp_shard=4, zero_stage=3))
+    with pytest.raises(ValueError, match="global_batch=30"):
+        _time(Layout(dp_shard=8, zero_stage=3), replace(LONG, global_batch=30))
+    with pytest.raises(ValueError, match="micro_batch=3"):
+        _time(Layout(dp_shard=8, zero_stage=3, micro_batch=3))
+
+
+def test_llama3_8b_zero3_on_one_h100_node_is_near_published_mfu():
+    # Public reports for 8B-class FSDP runs on 8×H100 put MFU around 40%.
+    t = _time(Layout(dp_shard=8, zero_stage=3))
+    assert 0.3 < t.mfu < 0.5
