@@ -1,4 +1,4 @@
-"""Command line: `meshfit train` and `meshfit demo`."""
+"""Command line: `meshfit plan`, `meshfit verify`, `meshfit train` and `meshfit demo`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ import time
 from pathlib import Path
 
 from meshfit.config import ConfigError, load_config
+from meshfit.plan_cli import add_plan_arguments
 
 _EPILOG = """\
 examples:
   meshfit demo                                     the seed scenario on local CPU ranks
+  meshfit plan --model llama3-70b --nodes 8 --seq-len 8192 --explain
+  meshfit plan --model llama3-8b --layout dp_shard=8,zero_stage=3 --out plan.json
+  meshfit verify --model llama3-8b --layout dp_shard=64,zero_stage=3 --seq-len 2048
+  meshfit train --plan plan.json --nproc 8         run a plan (here: 8 local ranks)
   meshfit train --set model.preset=small --nproc 2 --set parallel.dp_replicate=2
   meshfit train --config run.toml --set train.steps=100 --run-dir runs/exp1
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
@@ -49,8 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=_positive_int, metavar="N",
                        help="launch N local ranks through torchrun's machinery (default: one rank in this "
                             "process, or the ranks of an enclosing torchrun)")
+    train.add_argument("--plan", type=Path, metavar="PLAN.json",
+                       help="run the layout, model and workload of a `meshfit plan --out` file (--set still "
+                            "applies on top, e.g. train.steps or train.device)")
     train.add_argument("--run-dir", type=Path, metavar="DIR",
                        help="where config.yaml, metrics.jsonl and result.json go (default runs/train-<time>)")
+    plan = sub.add_parser("plan", help="rank every layout of a model on a cluster by predicted memory and speed",
+                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    add_plan_arguments(plan, single_layout=False)
+    plan.add_argument("--explain", action="store_true", help="explain which techniques are needed and why")
+    plan.add_argument("--top", type=_positive_int, default=None, metavar="N",
+                      help="rows in the table (default 10) / candidates in --json (default all)")
+    verify = sub.add_parser("verify", help="dry-run one layout's real code at full world size with fake tensors",
+                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    add_plan_arguments(verify, single_layout=True)
     demo = sub.add_parser("demo", help="the seed scenario: a model over a per-rank memory budget")
     demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
     demo.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
@@ -60,7 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_train(args: argparse.Namespace) -> int:
     from meshfit.train.launch import launch, under_torchrun
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = args.overrides
+    if args.plan:
+        from meshfit.planner.planfile import read_plan, train_overrides
+
+        try:
+            overrides = train_overrides(*_plan_parts(read_plan(args.plan))) + overrides
+        except ValueError as exc:
+            raise ConfigError(f"--plan {exc}") from None
+    cfg = load_config(args.config, overrides)
     run_dir = args.run_dir or _default_run_dir("train")
     outcome = launch(cfg, run_dir, args.nproc)
     if under_torchrun():
@@ -75,6 +100,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_parts(parts: tuple) -> tuple:
+    model, _name, workload, layout = parts
+    return model, workload, layout
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from meshfit.plan_cli import cmd_plan, run
+
+    return run(cmd_plan, args)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from meshfit.plan_cli import cmd_verify, run
+
+    if not args.layout:
+        print("error: meshfit verify needs --layout KEY=VAL,… (e.g. dp_shard=64,zero_stage=3)", file=sys.stderr)
+        return 2
+    return run(cmd_verify, args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from meshfit.demo import run_demo
 
@@ -84,7 +129,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _cmd_train, "demo": _cmd_demo}[args.command](args)
+        return {"train": _cmd_train, "plan": _cmd_plan, "verify": _cmd_verify, "demo": _cmd_demo}[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

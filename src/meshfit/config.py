@@ -42,6 +42,8 @@ class ModelSection(_Section):
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
     dropout: float | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
 
     def resolve(self):  # -> meshfit.models.ModelConfig (import kept local: models import torch)
         """The preset's ModelConfig with this section's overrides applied and validated."""

@@ -120,9 +120,9 @@ def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int) -> f
     vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
     p = 4 if mode == "fp32" else 2
     norm = tokens * model.dim * (12 if mode != "bf16" else 8) / (layout.tp if layout.sp else 1)
-    # logits (compute dtype), the fp32 copy the loss takes, log-softmax output, and in backward the
-    # gradient of the log-probabilities and of the logits.
-    per_logit = p + (4 if p == 2 else 0) + 4 + 4 + 4
+    # At the start of backward: the logits (compute dtype), the log-softmax output (fp32), the gradients of
+    # the log-probabilities and of the fp32 logits, and (16-bit) that gradient cast back to the logits' dtype.
+    per_logit = p + 4 + 4 + 4 + (2 if p == 2 else 0)
     return norm + tokens * vocab * per_logit
 
 
@@ -199,9 +199,10 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
         "backward end": (params + (share.root_params * c_bytes if fsdp and ds > 1 else 0), grads_full, optim,
                          0.0, buckets),
     }
-    # Optimizer temporaries: torch's foreach AdamW (GPU default) holds one fp32 list as large as the rank's
-    # parameters; the per-parameter path (CPU) one parameter's worth.
-    temp = (n / (ds if stage >= 1 else 1) if foreach else share.largest) * 4 * (2 if workload.optimizer == "adamw" else 1)
+    # Optimizer temporaries: torch's foreach AdamW (GPU default) holds one list as large as the rank's
+    # parameters in the state dtype (the square roots of the second moments); the per-parameter path (CPU)
+    # one parameter's worth.
+    temp = (n / (ds if stage >= 1 else 1) if foreach else share.largest) * k_bytes / (2 if workload.optimizer == "adamw" else 1)
     phases["optimizer"] = (params, grads_full, optim, temp if not off else 0.0, buckets)
     phase = max(phases, key=lambda k: sum(phases[k]))
     return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank)
@@ -216,6 +217,8 @@ def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, *, f
     v_shape = layout.schedule in ("zbv", "dualpipev") and layout.pp > 1
     virtual = layout.virtual_stages if layout.pp > 1 else 1
     shares = _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape)
-    estimates = [_rank_estimate(model, layout, workload, share, rank, foreach)
-                 for rank, share in enumerate(shares)]
+    # In-flight micro-batches fall with the pipeline rank, so the most-loaded rank is the first, the last
+    # (head, logits) or the one with the most blocks; the others need not be evaluated.
+    ranks = {0, len(shares) - 1, max(range(len(shares)), key=lambda r: shares[r].layers)}
+    estimates = [_rank_estimate(model, layout, workload, shares[rank], rank, foreach) for rank in sorted(ranks)]
     return max(estimates, key=lambda e: e.total)

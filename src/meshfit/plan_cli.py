@@ -1,0 +1,221 @@
+"""`meshfit plan` and `meshfit verify`: shared flags (model, cluster, workload, layout) and the two commands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from meshfit.planner.hardware import GPUS, Cluster, get_gpu
+from meshfit.planner.layout import AC_MODES, ATTENTIONS, OPTIMIZERS, PRECISIONS, Workload, parse_layout
+from meshfit.units import fmt_bytes, parse_bytes
+
+
+class PlanInputError(ValueError):
+    """A plan/verify flag names something invalid; the message says which flag and what would be valid."""
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="llama3-8b", metavar="PRESET|config.json",
+                   help="a preset name (e.g. llama3-70b, gpt3-175b) or a Hugging Face config.json (default llama3-8b)")
+    g.add_argument("--dims", default="", metavar="KEY=VAL,…",
+                   help="custom dimensions on top of --model, e.g. dim=5120,n_layers=40,n_heads=40")
+    g = parser.add_argument_group("cluster")
+    g.add_argument("--gpu", default="H100-SXM", help=f"GPU model: {', '.join(GPUS)} (default H100-SXM)")
+    g.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    g.add_argument("--gpu-memory", metavar="SIZE", help="override the GPU's memory, e.g. 64GiB")
+    g.add_argument("--gpu-tflops", type=float, metavar="T", help="override the dense bf16 peak, TFLOP/s")
+    g.add_argument("--intra-node-gbps", type=float, metavar="GB/s", help="override the per-GPU intra-node bandwidth")
+    g.add_argument("--inter-node-gbps", type=float, metavar="GB/s", help="override the per-GPU inter-node bandwidth")
+    g = parser.add_argument_group("workload")
+    g.add_argument("--seq-len", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    g.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES",
+                   help="sequences per optimizer step (default: 4 per GPU)")
+    g.add_argument("--global-batch-tokens", type=int, default=None, metavar="TOKENS",
+                   help="global batch in tokens instead (a multiple of --seq-len)")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: all choices)")
+    g.add_argument("--precision", choices=PRECISIONS, default="mixed",
+                   help="fp32 | mixed (bf16 compute, fp32 master weights and states) | bf16 (pure)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    g.add_argument("--attention", choices=ATTENTIONS, default="flash",
+                   help="eager stores attention scores; flash (SDPA) does not")
+    g.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default 0)")
+    g.add_argument("--activation-checkpointing", choices=AC_MODES, default=None,
+                   help="fix the checkpointing mode (default: evaluate all)")
+    g = parser.add_argument_group("output")
+    g.add_argument("--layout", default=None, metavar="KEY=VAL,…",
+                   help="evaluate exactly this layout (keys of the parallel/pipeline config, e.g. "
+                        "dp_shard=64,zero_stage=2)" + (" — required" if single_layout else ""))
+    g.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    g.add_argument("--out", type=Path, metavar="FILE", help="write the plan (chosen layout) to FILE")
+
+
+def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
+    from meshfit.models.config import ModelConfig
+    from meshfit.models.hf import model_from_hf_config
+    from meshfit.models.presets import PRESETS
+
+    if spec.endswith(".json") or Path(spec).is_file():
+        name, model = Path(spec).parent.name or spec, model_from_hf_config(spec)
+    elif spec in PRESETS:
+        name, model = spec, PRESETS[spec]
+    else:
+        raise PlanInputError(f"--model {spec!r}: not a preset or a config.json file; presets: {', '.join(PRESETS)}")
+    types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    changes = {}
+    for item in filter(None, (p.strip() for p in dims.split(","))):
+        key, _, raw = item.partition("=")
+        if key not in types or not raw:
+            raise PlanInputError(f"--dims {item!r}: write KEY=VALUE with KEY one of {', '.join(types)}")
+        kind = types[key]
+        try:
+            changes[key] = (raw.lower() in ("1", "true", "yes") if kind == "bool" else
+                            int(raw) if kind == "int" else float(raw) if kind == "float" else raw)
+        except ValueError:
+            raise PlanInputError(f"--dims {key}={raw!r}: expected {kind}") from None
+    if changes:
+        name, model = f"{name}+custom", dataclasses.replace(model, **changes)
+    model.validate()
+    return name, model
+
+
+def resolve_cluster(args: argparse.Namespace) -> Cluster:
+    gpu = get_gpu(args.gpu)
+    changes = {}
+    if args.gpu_memory:
+        changes["memory_bytes"] = parse_bytes(args.gpu_memory)
+    if args.gpu_tflops:
+        changes["bf16_flops"] = args.gpu_tflops * 1e12
+    if args.intra_node_gbps:
+        changes["intra_node_bytes_per_s"] = args.intra_node_gbps * 1e9
+    if args.inter_node_gbps:
+        changes["inter_node_bytes_per_s"] = args.inter_node_gbps * 1e9
+    if changes:
+        gpu = dataclasses.replace(gpu, name=f"{gpu.name}*", **changes)
+    return Cluster(gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+
+
+def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
+    batch = args.global_batch
+    if args.global_batch_tokens is not None:
+        if batch is not None:
+            raise PlanInputError("give --global-batch (sequences) or --global-batch-tokens, not both")
+        if args.global_batch_tokens % args.seq_len:
+            raise PlanInputError(f"--global-batch-tokens={args.global_batch_tokens} is not a multiple of "
+                                 f"--seq-len={args.seq_len}")
+        batch = args.global_batch_tokens // args.seq_len
+    workload = Workload(seq_len=args.seq_len, global_batch=batch or 4 * world, precision=args.precision,
+                        optimizer=args.optimizer, attention=args.attention, dropout=args.dropout)
+    workload.check()
+    return workload
+
+
+def _layout_table(plan, rows, title: str) -> Table:
+    table = Table(title=title)
+    for col in ("#", "layout", "fits", "peak/rank", "params", "grads", "optim", "acts", "buffers", "step s",
+                "tokens/s", "MFU"):
+        table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
+    for i, c in enumerate(rows, 1):
+        m = c.memory.as_dict()
+        table.add_row(str(i), c.layout.describe(), "[green]yes[/green]" if c.fits else "[red]no[/red]",
+                      fmt_bytes(m["total"]), *(fmt_bytes(m[k]) for k in ("params", "grads", "optim", "activations",
+                                                                         "buffers")),
+                      f"{c.time.total_s:.2f}", f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.0%}")
+    return table
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from meshfit.planner.explain import explain
+    from meshfit.planner.planfile import write_plan
+    from meshfit.planner.search import Plan, evaluate, search
+
+    name, model = resolve_model(args.model, args.dims)
+    cluster = resolve_cluster(args)
+    workload = resolve_workload(args, cluster.world_size)
+    if args.layout:
+        layout = parse_layout(args.layout)
+        plan = Plan(model=model, model_name=name, workload=workload, cluster=cluster,
+                    candidates=[evaluate(model, layout, workload, cluster)])
+    else:
+        plan = search(model, workload, cluster, model_name=name, activation_checkpointing=args.activation_checkpointing,
+                      micro_batch=args.micro_batch)
+    if not plan.candidates:
+        raise PlanInputError("no layout can run this workload on this cluster (check that --global-batch is a "
+                             "multiple of the data-parallel degrees and the model's heads divide the GPUs per node)")
+    chosen = plan.candidates[0]
+    if args.out:
+        write_plan(args.out, plan, chosen)
+    if args.json:
+        print(json.dumps(plan.to_json(top=args.top), indent=1))
+        return 0
+    console = Console(width=None if Console().is_terminal else 160)
+    usable = plan.to_json(top=0)["cluster"]["usable_bytes"]
+    console.print(f"[bold]{name}[/bold] ({plan.to_json(top=0)['model']['params'] / 1e9:.2f} B params) on "
+                  f"{cluster.nodes} × {cluster.gpus_per_node} {cluster.gpu.name}, seq {workload.seq_len}, global batch "
+                  f"{workload.global_batch} sequences, {workload.precision}, {workload.optimizer}: "
+                  f"{len(plan.fitting)} of {len(plan.candidates)} layouts fit in {fmt_bytes(usable)} usable per GPU")
+    console.print(_layout_table(plan, plan.candidates[:args.top or 10], "best layouts (most-loaded rank; "
+                                                                        "fitting ones by throughput)"))
+    failing = sorted((c for c in plan.candidates if not c.fits), key=lambda c: -c.time.tokens_per_s)[:5]
+    if failing:
+        console.print("[bold]Faster layouts that do not fit[/bold]:")
+        for c in failing:
+            console.print(f"  {c.layout.describe()}: {c.time.tokens_per_s:,.0f} tokens/s would be possible, but it "
+                          f"{c.why}")
+    if args.explain:
+        console.print()
+        console.print(explain(plan), highlight=False, markup=False)
+    if args.out:
+        console.print(f"plan written to {args.out}: run it with `meshfit train --plan {args.out}`")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from meshfit.planner.estimate import estimate_memory, usable_bytes
+    from meshfit.planner.verify import verify_layout
+
+    name, model = resolve_model(args.model, args.dims)
+    layout = parse_layout(args.layout or "")
+    cluster = resolve_cluster(args) if args.nodes * args.gpus_per_node == layout.world_size else None
+    workload = resolve_workload(args, layout.world_size)
+    if args.micro_batch:
+        layout = dataclasses.replace(layout, micro_batch=args.micro_batch)
+    predicted = estimate_memory(model, layout, workload, foreach=False).as_dict()
+    console = Console(stderr=True)
+    progress = None if args.json else (lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    result = verify_layout(model, layout, workload, progress=progress)
+    if args.json:
+        print(json.dumps({"model": name, "layout": layout.to_dict(), "world_size": layout.world_size,
+                          "rank": result.rank, "predicted": predicted, "measured": result.measured,
+                          "wall_s": result.wall_s, "max_rss_bytes": result.max_rss_bytes}, indent=1))
+        return 0
+    out = Console(width=None if Console().is_terminal else 120)
+    table = Table(title=f"{name}, {layout.describe()} at {layout.world_size} ranks: rank {result.rank} "
+                        f"(predicted vs measured by a fake-tensor run of the real code)")
+    for col in ("component", "predicted", "measured", "error"):
+        table.add_column(col, justify="left" if col == "component" else "right")
+    for key in ("params", "grads", "optim", "activations", "buffers", "total"):
+        p, m = predicted[key], result.measured[key]
+        err = f"{(p - m) / m:+.1%}" if m else "-"
+        table.add_row(key, fmt_bytes(p), fmt_bytes(m), err)
+    out.print(table)
+    out.print(f"dry run: {result.wall_s:.1f} s, {fmt_bytes(result.max_rss_bytes)} peak process memory"
+              + ("" if cluster is None else f"; {cluster.gpu.name} usable memory: "
+                 f"{fmt_bytes(usable_bytes(cluster.gpu.memory_bytes))}"))
+    return 0
+
+
+def run(cmd, args: argparse.Namespace) -> int:
+    try:
+        return cmd(args)
+    except (PlanInputError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+

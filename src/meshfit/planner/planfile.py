@@ -1,0 +1,69 @@
+"""plan.json: the chosen layout with its model and workload, written by `meshfit plan --out` and run by
+`meshfit train --plan`. One object, so what was planned is exactly what trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from meshfit.models.config import ModelConfig
+from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.search import Candidate, Plan
+
+FORMAT = "meshfit-plan/1"
+# ModelConfig fields the config's model section accepts (all of them).
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def plan_document(plan: Plan, chosen: Candidate, top: int = 10) -> dict[str, Any]:
+    doc = plan.to_json(top=top)
+    doc["format"] = FORMAT
+    doc["layout"] = chosen.layout.to_dict()
+    doc["predicted"] = chosen.to_json()
+    return doc
+
+
+def write_plan(path: Path, plan: Plan, chosen: Candidate) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan_document(plan, chosen), indent=2) + "\n")
+
+
+def read_plan(path: str | Path) -> tuple[ModelConfig, str, Workload, Layout]:
+    """(model, model name, workload, layout) of a plan file; ValueError naming the file and the field."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such plan file (write one with `meshfit plan … --out {path}`)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSON plan file ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a meshfit plan (expected \"format\": \"{FORMAT}\")")
+    try:
+        model = ModelConfig(**{k: doc["model"][k] for k in _MODEL_FIELDS if k in doc["model"]})
+        model.validate()
+        wl = doc["workload"]
+        workload = Workload(**{f.name: wl[f.name] for f in dataclasses.fields(Workload)})
+        workload.check()
+        layout = Layout.from_dict(doc["layout"])
+    except KeyError as exc:
+        raise ValueError(f"{path}: missing field {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return model, doc["model"].get("name", "custom"), workload, layout
+
+
+def train_overrides(model: ModelConfig, workload: Workload, layout: Layout) -> list[str]:
+    """`--set` overrides that make `meshfit train` run this plan (the user's own --set come after)."""
+    if workload.precision == "bf16":
+        raise ValueError("the plan is for pure bf16 (bf16 weights and optimizer states); meshfit trains bf16 as "
+                         "mixed precision with fp32 master weights: plan with --precision mixed")
+    if workload.optimizer != "adamw":
+        raise ValueError(f"the plan is for optimizer {workload.optimizer!r}; meshfit trains with AdamW: plan "
+                         "with --optimizer adamw")
+    sets = [f"model.{k}={getattr(model, k)}" for k in _MODEL_FIELDS]
+    sets += [f"train.seq_len={workload.seq_len}", f"train.global_batch={workload.global_batch}",
+             f"parallel.mixed_precision={'true' if workload.precision == 'mixed' else 'false'}"]
+    return sets + layout.config_overrides(workload.global_batch)

@@ -1,0 +1,186 @@
+"""Enumerate every layout meshfit can run on a cluster, predict memory and step time, rank what fits.
+
+A candidate is a :class:`Layout` with its memory estimate (most-loaded rank), its step time and whether
+it fits the device's usable memory. Fitting candidates rank by throughput; those that do not fit rank by
+how close they come, so the table can say why the fastest ideas fail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshfit.models.config import ModelConfig, num_params
+from meshfit.planner.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
+from meshfit.planner.hardware import Cluster
+from meshfit.planner.layout import AC_MODES, SCHEDULE_VIRTUAL, Layout, Workload
+from meshfit.planner.timing import StepTime, step_time
+from meshfit.units import fmt_bytes
+
+_NAMES = {"params": "weights", "grads": "gradients", "optim": "optimizer states", "activations": "activations",
+          "buffers": "buffers"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    time: StepTime
+    fits: bool
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout.to_dict(), "description": self.layout.describe(), "fits": self.fits,
+                "memory": self.memory.as_dict(), "peak_phase": self.memory.phase,
+                "step_time_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
+                "time": {k: getattr(self.time, k) for k in ("compute_s", "recompute_s", "tp_comm_s", "dp_comm_s",
+                                                            "pp_comm_s", "bubble_s", "offload_s", "optimizer_s")},
+                "why": self.why}
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    model_name: str
+    workload: Workload
+    cluster: Cluster
+    candidates: list[Candidate] = field(default_factory=list)  # fitting by throughput, then the rest
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.fits]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+    def to_json(self, top: int | None = None) -> dict[str, Any]:
+        gpu = self.cluster.gpu
+        chosen = self.candidates if top is None else self.candidates[:top]
+        return {
+            "model": {"name": self.model_name, "params": num_params(self.model), **self.model.__dict__},
+            "cluster": {"gpu": gpu.name, "nodes": self.cluster.nodes, "gpus_per_node": self.cluster.gpus_per_node,
+                        "world_size": self.cluster.world_size, "memory_bytes": gpu.memory_bytes,
+                        "usable_bytes": int(usable_bytes(gpu.memory_bytes))},
+            "workload": self.workload.__dict__,
+            "evaluated": len(self.candidates), "fitting": len(self.fitting),
+            "candidates": [c.to_json() for c in chosen],
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_degrees(model: ModelConfig, world: int, per_node: int) -> list[int]:
+    # Tensor parallelism stays inside a node (its collectives run every layer) and must split every
+    # sharded size evenly (heads, key/value heads, MLP width, vocabulary), as training requires.
+    sizes = (model.n_heads, model.n_kv_heads, model.ffn_hidden, model.vocab_size)
+    return [t for t in _divisors(math.gcd(world, per_node)) if all(s % t == 0 for s in sizes)]
+
+
+def _pipelines(model: ModelConfig, pp: int, micro: int) -> Iterator[tuple[str, int]]:
+    """(schedule, virtual stages) pairs that torch can run with ``micro`` micro-batches per step."""
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for schedule, fixed in SCHEDULE_VIRTUAL.items():
+        for virtual in ((fixed,) if fixed is not None else (2, 4)):
+            if pp * virtual > model.n_layers:
+                continue
+            if schedule != "gpipe" and micro < pp:
+                continue  # the pipeline would never fill
+            if schedule == "dualpipev" and micro < 2 * pp:
+                continue
+            if fixed is None:
+                rounds = max(1, micro // pp)
+                if micro % rounds:
+                    continue
+            yield schedule, virtual
+
+
+def _data_parallel(dp: int, tp: int) -> Iterator[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero_stage) choices for ``dp`` data-parallel ranks."""
+    if dp == 1:
+        yield 1, 1, 0
+        yield 1, 1, 3  # FSDP on one rank: only matters with offload
+        return
+    if tp == 1:
+        yield dp, 1, 0  # DDP
+        yield 1, dp, 1  # ZeRO-1
+    yield 1, dp, 2
+    yield 1, dp, 3
+    if tp == 1:
+        for shard in _divisors(dp)[1:-1]:  # HSDP: shard within groups, replicate across them
+            yield dp // shard, shard, 3
+
+
+def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, *,
+                      activation_checkpointing: str | None = None, micro_batch: int | None = None
+                      ) -> Iterator[Layout]:
+    """Every layout of ``cluster.world_size`` ranks that meshfit can train for this model and workload."""
+    world = cluster.world_size
+    acs = (activation_checkpointing,) if activation_checkpointing else AC_MODES
+    for tp in _tp_degrees(model, world, cluster.gpus_per_node):
+        sps = (False, True) if tp > 1 and workload.seq_len % tp == 0 else (False,)
+        for pp in (p for p in _divisors(world // tp) if p <= model.n_layers):
+            dp = world // (tp * pp)
+            if workload.global_batch % dp:
+                continue
+            local = workload.global_batch // dp
+            mbs = (micro_batch,) if micro_batch else [b for b in _divisors(local) if b <= 64]
+            for mb in mbs:
+                if local % mb:
+                    continue
+                for schedule, virtual in _pipelines(model, pp, local // mb):
+                    for rep, shard, stage in _data_parallel(dp, tp):
+                        for offload in ((False, True) if stage >= 2 else (False,)):
+                            if dp == 1 and stage == 3 and not offload:
+                                continue
+                            for ac in acs:
+                                for sp in sps:
+                                    yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, zero_stage=stage,
+                                                 offload=offload, activation_checkpointing=ac, sp=sp,
+                                                 loss_parallel=sp, schedule=schedule, virtual_stages=virtual,
+                                                 micro_batch=mb)
+
+
+def why_not(memory: MemoryEstimate, usable: float) -> str:
+    """Why a layout does not fit (or how much room it leaves), with the component that dominates."""
+    parts = memory.as_dict()
+    top = max(COMPONENTS, key=lambda k: parts[k])
+    if memory.total <= usable:
+        return f"fits: {fmt_bytes(memory.total)} of {fmt_bytes(usable)} usable"
+    return (f"needs {fmt_bytes(memory.total)} > {fmt_bytes(usable)} usable (peak at {memory.phase}); largest part: "
+            f"{_NAMES[top]} {fmt_bytes(parts[top])}")
+
+
+def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cluster) -> Candidate:
+    """Memory, time and fit of one layout; raises ValueError when it cannot run on this cluster."""
+    layout.check()
+    time = step_time(model, layout, workload, cluster)
+    memory = estimate_memory(model, layout, workload)
+    usable = usable_bytes(cluster.gpu.memory_bytes)
+    return Candidate(layout, memory, time, memory.total <= usable, why_not(memory, usable))
+
+
+def search(model: ModelConfig, workload: Workload, cluster: Cluster, *, model_name: str = "custom",
+           activation_checkpointing: str | None = None, micro_batch: int | None = None) -> Plan:
+    """Evaluate every layout and rank them: fitting ones by tokens/s, then the others by memory."""
+    workload.check()
+    usable = usable_bytes(cluster.gpu.memory_bytes)
+    candidates = []
+    for layout in enumerate_layouts(model, workload, cluster, activation_checkpointing=activation_checkpointing,
+                                    micro_batch=micro_batch):
+        try:
+            time = step_time(model, layout, workload, cluster)
+        except ValueError:
+            continue
+        memory = estimate_memory(model, layout, workload)
+        candidates.append(Candidate(layout, memory, time, memory.total <= usable, ""))
+    candidates.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s if c.fits else c.memory.total))
+    # The explanation strings are only needed for what gets shown or written; build them once, here.
+    candidates = [Candidate(c.layout, c.memory, c.time, c.fits, why_not(c.memory, usable)) for c in candidates]
+    return Plan(model=model, model_name=model_name, workload=workload, cluster=cluster, candidates=candidates)

@@ -1,0 +1,103 @@
+"""The planner's memory model against torch's memory tracker on meshfit's real blocks and real runs."""
+
+import contextlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from meshfit.models import build_model
+from meshfit.models.config import ModelConfig
+from meshfit.models.presets import get_preset
+from meshfit.planner.activations import block_activation_bytes
+from meshfit.planner.estimate import estimate_memory
+from meshfit.planner.layout import Layout, Workload
+
+
+def _tracked_forward_bytes(cfg: ModelConfig, mode: str, batch: int, seq: int) -> int:
+    """Activation bytes torch's tracker counts at the end of a forward of ``cfg`` (real CPU tensors)."""
+    model = build_model(cfg, "cpu")
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    with tracker, autocast:
+        model(tokens)
+        snap = next(iter(tracker.get_tracker_snapshot().values()))
+    return sum(v for k, v in snap.items() if str(k).endswith(("ACT", "TEMP")))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
+def test_block_activations_match_what_torch_tracks(family, mode):
+    # The difference between a 3- and a 2-block model is exactly one block's saved tensors.
+    base = dict(family=family, dim=128, n_heads=4, n_kv_heads=2 if family == "llama" else 4, vocab_size=512,
+                ffn_hidden=352, max_seq_len=64, tie_embeddings=False)
+    batch, seq = 2, 64
+    measured = (_tracked_forward_bytes(ModelConfig(n_layers=3, **base), mode, batch, seq)
+                - _tracked_forward_bytes(ModelConfig(n_layers=2, **base), mode, batch, seq))
+    predicted = block_activation_bytes(ModelConfig(n_layers=3, **base), mode=mode, seq=seq, batch=batch)
+    assert predicted == pytest.approx(measured, rel=0.01)
+
+
+def _train_peak(tmp_path, sets: list[str]) -> dict:
+    """Steady-state (step ≥ 2) peak breakdown of a real one-process training run."""
+    args = [sys.executable, "-m", "meshfit", "train", "--run-dir", str(tmp_path), "--set", "train.steps=3",
+            "--set", "train.device=cpu"]
+    for item in sets:
+        args += ["--set", item]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return max((m for r in records if r["step"] >= 2 for m in r["mem"]), key=lambda m: m["peak"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("micro_batch", [1, 4])
+def test_single_rank_prediction_matches_a_real_run(tmp_path, micro_batch):
+    # fp32 on one CPU rank: micro-batch 1 accumulates gradients over 4 forwards, micro-batch 4 runs once.
+    layout = Layout(micro_batch=micro_batch)
+    workload = Workload(seq_len=128, global_batch=4, precision="fp32")
+    predicted = estimate_memory(get_preset("small"), layout, workload, foreach=False).as_dict()
+    measured = _train_peak(tmp_path, ["model.preset=small", "train.seq_len=128", "train.global_batch=4",
+                                      f"train.micro_batch={micro_batch}"])
+    assert predicted["total"] == pytest.approx(measured["peak"], rel=0.03)
+    for key in ("params", "grads", "optim"):
+        assert predicted[key] == pytest.approx(measured[key], rel=0.01, abs=1024)
+
+
+def test_sharding_and_splitting_shrink_the_most_loaded_rank():
+    # Two micro-batches per rank: gradients of the first are held while the second runs forward.
+    model, wl = get_preset("llama3-8b"), Workload(seq_len=4096, global_batch=128)
+    ddp = estimate_memory(model, Layout(dp_replicate=64), wl)
+    zero = [estimate_memory(model, Layout(dp_shard=64, zero_stage=s), wl) for s in (1, 2, 3)]
+    # Each stage shards one more kind of state; ZeRO-3 also gathers only two blocks at a time.
+    assert ddp.optim == pytest.approx(64 * zero[0].optim, rel=1e-6)
+    assert zero[1].grads < zero[0].grads and zero[2].params < zero[1].params
+    assert ddp.total > zero[0].total > zero[1].total > zero[2].total
+    full = estimate_memory(model, Layout(dp_shard=64, zero_stage=3, activation_checkpointing="full"), wl)
+    assert full.activations < zero[2].activations / 3  # the 128k-vocabulary logits stay
+    tp = estimate_memory(model, Layout(dp_shard=8, tp=8, zero_stage=3), wl)
+    tp_sp = estimate_memory(model, Layout(dp_shard=8, tp=8, zero_stage=3, sp=True, loss_parallel=True), wl)
+    assert tp_sp.activations < tp.activations < zero[2].activations
+    # GPipe keeps every micro-batch in flight; 1F1B at most pp of them.
+    gpipe = estimate_memory(model, Layout(dp_shard=16, pp=4, zero_stage=3, schedule="gpipe"), wl)
+    one_f = estimate_memory(model, Layout(dp_shard=16, pp=4, zero_stage=3, schedule="1f1b"), wl)
+    assert gpipe.activations > one_f.activations and one_f.pp_rank == 0
+    # Offload takes the sharded states off the device.
+    off = estimate_memory(model, Layout(dp_shard=64, zero_stage=3, offload=True), wl)
+    assert off.optim == 0 and off.grads < zero[2].grads
+
+
+def test_a_bigger_local_batch_only_adds_activations():
+    model, wl = get_preset("llama3-8b"), Workload(seq_len=4096, global_batch=64)
+    one, two, four = (estimate_memory(model, Layout(dp_replicate=8, micro_batch=b), wl) for b in (1, 2, 4))
+    assert (one.params, one.grads, one.optim) == (four.params, four.grads, four.optim)
+    # Every extra sequence adds the same activations (autocast's bf16 weight copies are paid once).
+    assert four.activations - one.activations == pytest.approx(3 * (two.activations - one.activations))
+    assert four.activations - one.activations > 0
