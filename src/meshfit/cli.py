@@ -82,9 +82,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from meshfit.planner.planfile import read_plan, train_overrides
 
         try:
-            overrides = train_overrides(*_plan_parts(read_plan(args.plan))) + overrides
+            parts = _plan_parts(read_plan(args.plan))
+            overrides = train_overrides(*parts) + overrides
         except ValueError as exc:
             raise ConfigError(f"--plan {exc}") from None
+        world = parts[2].world_size
+        if world > 1 and args.nproc is None and not under_torchrun():
+            raise ConfigError(f"--plan {args.plan} lays the model out over {world} ranks: add --nproc {world} "
+                              f"(local ranks) or launch under torchrun with {world} processes in all")
     cfg = load_config(args.config, overrides)
     run_dir = args.run_dir or _default_run_dir("train")
     outcome = launch(cfg, run_dir, args.nproc)

@@ -159,7 +159,12 @@ def why_not(memory: MemoryEstimate, usable: float) -> str:
 
 def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cluster) -> Candidate:
     """Memory, time and fit of one layout; raises ValueError when it cannot run on this cluster."""
+    from meshfit.parallel.tensor_parallel import tp_degree_error
+
     layout.check()
+    error = tp_degree_error(model, layout.tp, workload.seq_len, layout.sp) if layout.tp > 1 else None
+    if error:
+        raise ValueError(error.replace("parallel.tp", "layout tp"))
     time = step_time(model, layout, workload, cluster)
     memory = estimate_memory(model, layout, workload)
     usable = usable_bytes(cluster.gpu.memory_bytes)

@@ -1,0 +1,125 @@
+"""`meshfit plan`: the search, the JSON schema, --explain, plan files and `meshfit train --plan`."""
+
+import json
+
+import pytest
+
+from meshfit.models.hf import model_from_hf_config
+from meshfit.models.presets import get_preset
+from meshfit.planner.estimate import usable_bytes
+from meshfit.planner.hardware import Cluster
+from meshfit.planner.layout import Layout, Workload, parse_layout
+from meshfit.planner.search import evaluate, search
+from test_cli import meshfit
+
+LLAMA70B = get_preset("llama3-70b")
+H100_64 = Cluster("H100-SXM", nodes=8, gpus_per_node=8)
+LONG = Workload(seq_len=8192, global_batch=256)
+
+
+@pytest.fixture(scope="module")
+def plan_70b():
+    return search(LLAMA70B, LONG, H100_64, model_name="llama3-70b")
+
+
+def test_every_layout_kind_is_evaluated_and_ranked(plan_70b):
+    layouts = [c.layout for c in plan_70b.candidates]
+    assert len(layouts) >= 10_000
+    kinds = {(lay.zero_stage, lay.dp_replicate > 1 and lay.dp_shard > 1) for lay in layouts}
+    assert {(0, False), (1, False), (2, False), (3, False), (3, True)} <= kinds  # DDP, ZeRO-1/2/3, HSDP
+    assert {lay.schedule for lay in layouts if lay.pp > 1} == {"gpipe", "1f1b", "interleaved-1f1b",
+                                                                "interleaved-zb", "zbv", "dualpipev"}
+    assert {lay.activation_checkpointing for lay in layouts} == {"none", "selective", "full"}
+    assert any(lay.offload for lay in layouts) and any(lay.sp for lay in layouts)
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # within a node, dividing the 8 KV heads
+    usable = usable_bytes(H100_64.gpu.memory_bytes)
+    fitting = plan_70b.fitting
+    assert fitting and all(c.memory.total <= usable for c in fitting)
+    assert all(c.memory.total > usable for c in plan_70b.candidates if not c.fits)
+    # Fitting layouts come first, fastest first.
+    speeds = [c.time.tokens_per_s for c in fitting]
+    assert speeds == sorted(speeds, reverse=True) and plan_70b.candidates[:len(fitting)] == fitting
+    # A 70B model's replica (16 B/parameter) cannot fit an 80 GB device: no DDP or ZeRO-1 layout fits.
+    assert not any(c.layout.zero_stage < 2 and c.layout.tp == c.layout.pp == 1 for c in fitting)
+
+
+def test_one_layout_is_evaluated_exactly(plan_70b):
+    best = plan_70b.best
+    again = evaluate(LLAMA70B, best.layout, LONG, H100_64)
+    assert again.memory == best.memory and again.time == best.time
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        evaluate(LLAMA70B, Layout(dp_shard=8, tp=3, zero_stage=3), LONG, Cluster("H100-SXM", 3, 8))
+
+
+def test_explain_answers_with_numbers(plan_70b):
+    from meshfit.planner.explain import explain
+
+    text = explain(plan_70b)
+    assert "Why plain DDP does not work" in text and "does not fit" in text
+    assert "Why a bigger local batch makes it worse" in text
+    for technique in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "Tensor parallelism", "Pipeline parallelism"):
+        assert technique in text
+    assert f"Recommended: {plan_70b.best.layout.describe()}" in text
+
+
+def test_layout_parsing_names_the_bad_key():
+    layout = parse_layout("dp_shard=64,zero_stage=2")
+    assert (layout.dp_shard, layout.zero_stage) == (64, 2)
+    assert parse_layout("dp_shard=8").zero_stage == 3  # the config's default for sharded data parallelism
+    assert parse_layout("pp=4,schedule=zbv").virtual_stages == 2
+    with pytest.raises(ValueError, match="KEY one of"):
+        parse_layout("dp_sharded=2")
+    with pytest.raises(ValueError, match="expected int"):
+        parse_layout("tp=two")
+    with pytest.raises(ValueError, match="needs zero_stage 2 or 3"):
+        parse_layout("dp_shard=2,zero_stage=1,offload=true")
+
+
+def test_hf_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "intermediate_size": 14336,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0}))
+    assert model_from_hf_config(path) == get_preset("llama3-8b")
+    path.write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ValueError, match="model_type 't5' is not supported"):
+        model_from_hf_config(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not a JSON file"):
+        model_from_hf_config(path)
+
+
+def test_plan_json_schema_and_bad_flags():
+    res = meshfit("plan", "--model", "llama3-8b", "--nodes", "2", "--seq-len", "4096", "--json", "--top", "3")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["model"]["params"] == 8_030_261_248 and doc["evaluated"] >= 1000
+    cand = doc["candidates"][0]
+    assert set(cand) >= {"layout", "fits", "memory", "step_time_s", "tokens_per_s", "mfu", "why"}
+    assert set(cand["memory"]) == {"params", "grads", "optim", "activations", "buffers", "total"}
+    assert cand["memory"]["total"] == sum(cand["memory"][k] for k in ("params", "grads", "optim", "activations",
+                                                                       "buffers"))
+    bad = meshfit("plan", "--model", "llama3-8b", "--layout", "dp_shard=16,zero_stage=5", "--nodes", "2")
+    assert bad.returncode == 2 and "zero_stage=5 must be 0, 1, 2 or 3" in bad.stderr
+    bad = meshfit("plan", "--model", "llama3-9b")
+    assert bad.returncode == 2 and "not a preset" in bad.stderr and "llama3-8b" in bad.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_plan_file_runs_with_train(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    res = meshfit("plan", "--model", "tiny", "--gpus-per-node", "2", "--seq-len", "64", "--global-batch", "8",
+                  "--precision", "fp32", "--layout", "dp_shard=2,zero_stage=3,micro_batch=2", "--out", str(plan_file))
+    assert res.returncode == 0, res.stderr
+    predicted = json.loads(plan_file.read_text())["predicted"]["memory"]["total"]
+    res = meshfit("train", "--plan", str(plan_file), "--nproc", "2", "--set", "train.steps=3",
+                  "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 0, res.stderr
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["world_size"] == 2 and result["zero_stage"] == 3
+    assert predicted == pytest.approx(result["peak_mem_bytes"], rel=0.1)
+    missing = meshfit("train", "--plan", str(plan_file))
+    assert missing.returncode == 2 and "add --nproc 2" in missing.stderr
