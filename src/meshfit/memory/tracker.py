@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 from torch.distributed.fsdp import FSDPModule
@@ -163,7 +164,8 @@ class PipelineMemTracker(RankMemoryTracker):
     def __enter__(self) -> PipelineMemTracker:
         live = dict(self._device_snap(self._curr_mem_snap))
         self._category_max = dict(live)
-        self._fake_mode_on_entry = None
+        # As MemTracker does: ops under the mode active now are tracked (a dry run's FakeTensorMode).
+        self._fake_mode_on_entry = active_fake_mode()
         self._register_global_optimizer_hook()
         self._track_module_params_and_buffers(self._root, install_grad_hooks=True)
         self._track_resize()

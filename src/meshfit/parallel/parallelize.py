@@ -7,6 +7,9 @@ tensor parallelism (DTensor) -> activation checkpointing -> data-parallel shardi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -20,8 +23,13 @@ from meshfit.parallel.tensor_parallel import apply_tensor_parallel
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
                 parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
-                device: torch.device, seed: int) -> nn.Module:
-    """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it."""
+                device: torch.device, seed: int,
+                materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> nn.Module:
+    """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it.
+
+    `materialize` is entered around the steps that allocate (materialization, initialization, DDP): a
+    dry run passes a FakeTensorMode there, while the layout itself is applied on meta outside it.
+    """
     if dims.tp > 1:
         apply_tensor_parallel(model, model_cfg, meshes.world["tp"], sp=parallel.sp,
                               loss_parallel=parallel.loss_parallel)
@@ -31,9 +39,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,
                    offload=parallel.offload)
     # With offload the sharded parameters live in host memory; FSDP moves gathered copies to the device.
-    model.to_empty(device="cpu" if parallel.offload else device)
-    init_weights(model, seed, model_cfg)
-    if zero_stage <= 1 and dims.dp > 1:
-        model = apply_ddp(model, meshes)
+    with materialize():
+        model.to_empty(device="cpu" if parallel.offload else device)
+        init_weights(model, seed, model_cfg)
+        if zero_stage <= 1 and dims.dp > 1:
+            model = apply_ddp(model, meshes)
     return model
 

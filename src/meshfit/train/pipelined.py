@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,12 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig,
-                   device: torch.device) -> tuple[nn.ModuleList, Pipe]:
-    """This rank's stage modules (each laid out like a whole model would be) and the schedule."""
+def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig, device: torch.device,
+                   materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   ) -> tuple[nn.ModuleList, Pipe]:
+    """This rank's stage modules (each laid out like a whole model would be) and the schedule.
+
+    `materialize`: see `parallelize`."""
     plan = shape.stages
     ids = plan.stages_of_rank(meshes.world["pp"].get_local_rank(), shape.dims.pp)
     last = plan.n_stages - 1
@@ -46,7 +50,7 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
         stage = cut_stage(build_model(model_cfg, "meta"), plan.layers[sid], sid == 0, sid == last)
         modules.append(parallelize(stage, shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                                    zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
-                                   device=device, seed=cfg.train.seed))
+                                   device=device, seed=cfg.train.seed, materialize=materialize))
     group = meshes.world["pp"].get_group()
     stages = [make_stage(m, sid, plan.n_stages, device, group) for m, sid in zip(modules, ids, strict=True)]
     schedule = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, pipeline_loss)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,18 +56,21 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def build_run(cfg: Config, env: RankEnv, run_dir: Path | None) -> Run:
+def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
+              materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Run:
+    """This rank's run. `materialize` is entered where the model is materialized (see `parallelize`): a dry
+    run passes a FakeTensorMode, so that the device mesh and the layout are built outside it."""
     shape = resolve_run(cfg, env.world_size)
     meshes = shape.dims.build_mesh(env.device.type)
     model_cfg = cfg.model.resolve()
     torch.manual_seed(cfg.train.seed)
     pipe = None
     if shape.stages is not None:
-        model, pipe = build_pipeline(cfg, shape, meshes, model_cfg, env.device)
+        model, pipe = build_pipeline(cfg, shape, meshes, model_cfg, env.device, materialize)
     else:
         model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
-                            device=env.device, seed=cfg.train.seed)
+                            device=env.device, seed=cfg.train.seed, materialize=materialize)
     optimizer = build_optimizer(model, cfg.train, zero1_group(meshes) if shape.zero_stage == 1 else None)
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
                          seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
@@ -158,6 +162,17 @@ def train_step(run: Run) -> dict[str, Any]:
     start = time.perf_counter()
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
+    losses, grad_norm = measured_step(run, inputs, targets)
+    loss = _mean_over_dp(run, torch.stack(losses).mean())
+    elapsed = time.perf_counter() - start
+    return _record(run, loss, float(grad_norm), lr, elapsed)
+
+
+def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Forward, backward and optimizer step of one batch under the rank's tracker (one peak window).
+
+    Returns the micro-batch losses and the gradient norm as tensors (nothing is read back to the host).
+    """
     micro = run.shape.micro_batch
     try:
         with run.tracker:
@@ -177,9 +192,7 @@ def train_step(run: Run) -> dict[str, Any]:
         if run.cfg.train.memory_budget is None:
             raise
         raise run.tracker.over_budget_error() from None
-    loss = _mean_over_dp(run, torch.stack(losses).mean())
-    elapsed = time.perf_counter() - start
-    return _record(run, loss, float(grad_norm), lr, elapsed)
+    return losses, grad_norm
 
 
 def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""`meshfit verify`'s engine: one-process dry runs of the real training code at the layout's world size.
+
+Every dry run here uses the `tiny` preset (about 0.1 MB of weights) so the file stays well under a minute.
+The large-model runs (Llama-3 8B at 64 ranks, 70B at 256) live in benchmarks/verify_scale.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshfit.models import get_preset, num_params
+from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.verify import COMPONENTS, measured_ranks, verify_config, verify_layout
+
+pytestmark = pytest.mark.timeout(120)
+
+WORK = Workload(seq_len=64, global_batch=8, precision="mixed")
+FP32 = dataclasses.replace(WORK, precision="fp32")
+TINY_PARAMS = num_params(get_preset("tiny"))
+
+
+def _parts(measured: dict[str, int]) -> int:
+    return sum(measured[k] for k in COMPONENTS if k != "total")
+
+
+def _check_shape(result, *, grads: bool = True) -> None:
+    m = result.measured
+    assert set(m) == set(COMPONENTS)
+    for name in ("params", "optim", "activations", "buffers"):
+        assert m[name] > 0, name
+    if grads:
+        assert m["grads"] > 0
+    # The total is the tally at the peak; the components are that tally's parts.
+    assert m["total"] == _parts(m)
+    assert result.wall_s > 0 and result.max_rss_bytes > 0
+    assert not dist.is_initialized()  # the fake group is gone: the process can run anything next
+
+
+def test_zero3_shards_parameters_and_states_across_ranks():
+    at8 = verify_layout("tiny", Layout(dp_shard=8, zero_stage=3), WORK)
+    _check_shape(at8, grads=False)  # the peak is at the end of forward, before any gradient exists
+    assert at8.rank == 0 and at8.stage_ids is None and at8.steps == 2
+    at2 = verify_layout("tiny", Layout(dp_shard=2, zero_stage=3), WORK)
+    assert at8.measured["params"] < at2.measured["params"]
+    # AdamW's two fp32 moments of this rank's 1/N shard (+ a step counter per parameter).
+    assert at8.measured["optim"] < at2.measured["optim"] / 3
+
+
+def test_ddp_keeps_full_replicas_and_files_buckets_as_buffers():
+    result = verify_layout("tiny", Layout(dp_replicate=4), FP32)
+    _check_shape(result)
+    m = result.measured
+    assert m["params"] == 4 * TINY_PARAMS  # every rank holds the whole fp32 model
+    assert m["grads"] == 4 * TINY_PARAMS
+    assert 8 * TINY_PARAMS <= m["optim"] < 8 * TINY_PARAMS + 4096  # two moments + step counters
+    assert m["buffers"] >= 4 * TINY_PARAMS  # DDP's gradient buckets (with the RoPE tables)
+    assert result.steps == 3  # the buckets are rebuilt in step 2; step 3 shows them settled
+
+
+def test_tensor_parallel_with_sequence_and_loss_parallelism():
+    lay = Layout(tp=2, sp=True, loss_parallel=True)
+    result = verify_layout("tiny", lay, FP32)
+    _check_shape(result)
+    # Norm gains stay replicated; every matrix is split in two.
+    assert 2 * TINY_PARAMS <= result.measured["params"] < 2.1 * TINY_PARAMS
+
+
+def test_pipeline_measures_every_pipeline_rank_and_reports_the_most_loaded():
+    lay = Layout(pp=2, micro_batch=1)
+    assert measured_ranks(lay) == [0, 1]
+    first = verify_layout("tiny", lay, FP32, rank=0)
+    _check_shape(first)
+    assert first.rank == 0 and first.stage_ids == [0]
+    best = verify_layout("tiny", lay, FP32)
+    assert best.rank in (0, 1) and best.stage_ids == [best.rank]
+    assert best.measured["total"] >= first.measured["total"]
+    assert measured_ranks(Layout(pp=4, dp_shard=2, zero_stage=3)) == [0, 2, 4, 6]
+
+
+def _real_single_process_peaks(cfg, steps: int) -> list[int]:
+    """The same config trained for real (gloo, one rank) through build_run and measured_step."""
+    from meshfit.train.dist import RankEnv
+    from meshfit.train.trainer import build_run, measured_step
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run = build_run(cfg, RankEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), None)
+        peaks = []
+        for _ in range(steps):
+            inputs, targets = run.batches.next_batch()
+            measured_step(run, inputs, targets)
+            peaks.append(run.tracker.peak()["peak"])
+        return peaks
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("work", [FP32, WORK], ids=["fp32", "mixed"])
+def test_fake_peak_matches_a_real_single_process_run(work):
+    fake = verify_layout("tiny", Layout(), work)
+    real = _real_single_process_peaks(verify_config("tiny", Layout(), work), steps=2)
+    assert abs(fake.measured["total"] - real[1]) <= 0.02 * real[1]
+
+
+def test_model_config_and_restored_state():
+    import torch.nn.parallel.distributed as ddp_module
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    patched = (ShardingPropagator._propagate_tensor_meta_non_cached, ddp_module._sync_module_states)
+    small = dataclasses.replace(get_preset("tiny"), n_layers=1)
+    one_layer = verify_layout(small, Layout(dp_shard=2, zero_stage=3), FP32, steps=1)
+    assert one_layer.steps == 1 and one_layer.measured["total"] > 0
+    assert (ShardingPropagator._propagate_tensor_meta_non_cached, ddp_module._sync_module_states) == patched
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"precision": "bf16"}, "precision 'mixed'"),
+    ({"optimizer": "sgd"}, "optimizer"),
+    ({"attention": "eager"}, "attention"),
+    ({"dropout": 0.1}, "dropout"),
+])
+def test_unsupported_workloads_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        verify_layout("tiny", Layout(), dataclasses.replace(WORK, **change))
+
+
+def test_bad_rank_and_bad_layout_are_reported_before_any_run():
+    with pytest.raises(ValueError, match="rank=8"):
+        verify_layout("tiny", Layout(dp_shard=8, zero_stage=3), WORK, rank=8)
+    with pytest.raises(ValueError, match="global_batch"):
+        verify_layout("tiny", Layout(dp_shard=3, zero_stage=3), WORK)
+    assert not dist.is_initialized()
