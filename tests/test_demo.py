@@ -37,5 +37,9 @@ def test_demo_progression(tmp_path):
     for name in ("tp", "pp", "3d"):
         assert summary[name]["final_loss"] == pytest.approx(summary["zero3"]["final_loss"], abs=1e-5)
     assert len(summary["3d"]["mem"]) == 8 and {tuple(m["stages"]) for m in summary["3d"]["mem"]} == {(0,), (1,)}
+    # The plan printed first predicted every layout's most-loaded rank within 10% of what was measured.
+    for name, entry in summary.items():
+        assert entry["predicted_peak_mem_bytes"] == pytest.approx(entry["peak_mem_bytes"], rel=0.10), name
+    assert "the plan" in res.stdout and "predicted (planner) vs measured" in res.stdout
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
     assert "per-rank memory" in res.stdout and "zero3" in res.stdout

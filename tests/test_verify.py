@@ -7,6 +7,8 @@ The large-model runs (Llama-3 8B at 64 ranks, 70B at 256) live in benchmarks/ver
 from __future__ import annotations
 
 import dataclasses
+import gc
+import sys
 
 import pytest
 import torch
@@ -81,6 +83,33 @@ def test_pipeline_measures_every_pipeline_rank_and_reports_the_most_loaded():
     assert measured_ranks(Layout(pp=4, dp_shard=2, zero_stage=3)) == [0, 2, 4, 6]
 
 
+@pytest.mark.timeout(60)
+def test_pipeline_ranks_of_a_3d_layout_run_one_after_another_in_one_process():
+    # Each pipeline rank builds its own world and meshes; DTensor caches filled by the previous one must not
+    # hand it that world's meshes (whose process groups are gone), in either order.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def meshes() -> list[DeviceMesh]:
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]
+
+    earlier = meshes()  # held, so that their ids are not reused (earlier tests' runs may still hold some)
+    lay = Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True)
+    assert measured_ranks(lay) == [0, 4]
+    best = verify_layout("tiny", lay, FP32)  # rank 0, then rank 4
+    _check_shape(best, grads=False)
+    assert best.rank in (0, 4) and best.stage_ids == [best.rank // 4]
+    last = verify_layout("tiny", lay, FP32, rank=4)
+    first = verify_layout("tiny", lay, FP32, rank=0)  # after rank 4
+    assert (first.stage_ids, last.stage_ids) == ([0], [1])
+    assert best.measured == max(first, last, key=lambda r: r.measured["total"]).measured
+    assert {id(m) for m in meshes()} <= {id(m) for m in earlier}  # no world outlives its dry runs
+    # A plain layout still runs after them in the same process.
+    after = verify_layout("tiny", Layout(dp_shard=2, zero_stage=3), WORK)
+    _check_shape(after)
+    assert after.rank == 0 and after.stage_ids is None
+
+
 def _real_single_process_peaks(cfg, steps: int) -> list[int]:
     """The same config trained for real (gloo, one rank) through build_run and measured_step."""
     from meshfit.train.dist import RankEnv
@@ -110,11 +139,13 @@ def test_model_config_and_restored_state():
     import torch.nn.parallel.distributed as ddp_module
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    patched = (ShardingPropagator._propagate_tensor_meta_non_cached, ddp_module._sync_module_states)
+    patched = (ShardingPropagator._propagate_tensor_meta_non_cached, ddp_module._sync_module_states,
+               sys.excepthook)
     small = dataclasses.replace(get_preset("tiny"), n_layers=1)
     one_layer = verify_layout(small, Layout(dp_shard=2, zero_stage=3), FP32, steps=1)
     assert one_layer.steps == 1 and one_layer.measured["total"] > 0
-    assert (ShardingPropagator._propagate_tensor_meta_non_cached, ddp_module._sync_module_states) == patched
+    assert (ShardingPropagator._propagate_tensor_meta_non_cached, ddp_module._sync_module_states,
+            sys.excepthook) == patched
 
 
 @pytest.mark.parametrize("change, field", [

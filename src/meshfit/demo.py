@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from meshfit.config import load_config
+from meshfit.planner.estimate import MemoryEstimate, estimate_memory
+from meshfit.planner.layout import Layout, Workload
 from meshfit.train.launch import Outcome, launch
 from meshfit.charts import memory_chart
 from meshfit.units import fmt_bytes, parse_bytes
@@ -25,8 +27,10 @@ from meshfit.units import fmt_bytes, parse_bytes
 # ~4.3M parameters: 16 bytes/parameter of fp32 weights, gradients and AdamW states ≈ 69 MB per replica.
 DEMO_MODEL = ["model.preset=small", "model.dim=256", "model.n_layers=6", "model.vocab_size=2048",
               "model.ffn_hidden=704", "model.n_heads=8", "model.n_kv_heads=4"]
-DEMO_TRAIN = ["train.steps=8", "train.global_batch=8", "train.micro_batch=1", "train.seq_len=128",
-              "train.lr=3e-3", "train.warmup_steps=2", "train.log_every=2"]
+DEMO_GLOBAL_BATCH = 8
+DEMO_SEQ_LEN = 128
+DEMO_TRAIN = ["train.steps=8", f"train.seq_len={DEMO_SEQ_LEN}", "train.lr=3e-3", "train.warmup_steps=2",
+              "train.log_every=2"]
 # DDP needs ~125 MiB per rank, ZeRO-1 ~104, ZeRO-2 ~84, ZeRO-3 ~73, ZeRO-3 + checkpointing ~62 (measured).
 DEMO_BUDGET = "80MiB"
 PROBE_STEPS = 3  # unbudgeted re-run of a failing layout; DDP's buckets settle after step 2
@@ -35,39 +39,49 @@ PROBE_STEPS = 3  # unbudgeted re-run of a failing layout; DDP's buckets settle a
 @dataclass(frozen=True)
 class Trial:
     name: str
-    overrides: list[str]
+    layout: Layout  # the same object `meshfit plan` produces and `meshfit train --plan` runs
     why: str  # what the layout keeps per rank, for the table
-    nproc: int | None = None  # ranks of this layout; None = the demo's --nproc
+    global_batch: int = DEMO_GLOBAL_BATCH
+
+    @property
+    def overrides(self) -> list[str]:
+        return self.layout.config_overrides(self.global_batch) + [f"train.global_batch={self.global_batch}"]
+
+    @property
+    def nproc(self) -> int:
+        return self.layout.world_size
 
 
 def demo_trials(nproc: int) -> list[Trial]:
-    shard = [f"parallel.dp_shard={nproc}"]
+    shard = dict(dp_shard=nproc, micro_batch=1)
     return [
-        Trial("ddp", [f"parallel.dp_replicate={nproc}"],
+        Trial("ddp", Layout(dp_replicate=nproc, micro_batch=1),
               "full replica of weights, grads (+ DDP buckets) and AdamW states on every rank"),
-        Trial("ddp-4x-batch", [f"parallel.dp_replicate={nproc}", "train.global_batch=32",
-                               "train.micro_batch=4"],
-              "the same replica with a 4× larger micro-batch: more activations"),
-        Trial("zero1", shard + ["parallel.zero_stage=1"], "optimizer states sharded, grads and weights replicated"),
-        Trial("zero2", shard + ["parallel.zero_stage=2"],
-              "+ grads sharded; gathered weights kept from forward to backward"),
-        Trial("zero3", shard + ["parallel.zero_stage=3"], "+ weights sharded, gathered block by block (FSDP)"),
-        Trial("fsdp-ac", shard + ["parallel.zero_stage=3", "parallel.activation_checkpointing=full"],
+        Trial("ddp-4x-batch", Layout(dp_replicate=nproc, micro_batch=4),
+              "the same replica with a 4× larger micro-batch: more activations", global_batch=4 * DEMO_GLOBAL_BATCH),
+        Trial("zero1", Layout(zero_stage=1, **shard), "optimizer states sharded, grads and weights replicated"),
+        Trial("zero2", Layout(zero_stage=2, **shard), "+ grads sharded; gathered weights kept from forward to backward"),
+        Trial("zero3", Layout(zero_stage=3, **shard), "+ weights sharded, gathered block by block (FSDP)"),
+        Trial("fsdp-ac", Layout(zero_stage=3, activation_checkpointing="full", **shard),
               "ZeRO-3 + full activation checkpointing: blocks keep only their inputs"),
     ] + ([] if nproc == 1 else [
         # Every tensor-parallel rank sees the whole batch; micro-batches of 2 keep the step count low.
-        Trial("tp", [f"parallel.tp={nproc}", "parallel.sp=true", "parallel.loss_parallel=true",
-                     "train.micro_batch=2"],
+        Trial("tp", Layout(tp=nproc, sp=True, loss_parallel=True, micro_batch=2),
               "every matrix split across ranks (Megatron), sequence- and loss-parallel"),
-        Trial("pp", [f"parallel.pp={nproc}", "pipeline.schedule=1f1b", "pipeline.microbatches=8",
-                     "train.micro_batch=null"],
+        Trial("pp", Layout(pp=nproc, schedule="1f1b", micro_batch=1),
               "layers split into stages, 1F1B schedule over 8 micro-batches"),
     ]) + [
         # Always 8 ranks: the three techniques on one mesh, as large runs compose them.
-        Trial("3d", ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true",
-                     "parallel.loss_parallel=true", "pipeline.microbatches=4", "train.micro_batch=null"],
-              "pp 2 × FSDP 2 × tp 2 on 8 ranks", nproc=8),
+        Trial("3d", Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True, micro_batch=1),
+              "pp 2 × FSDP 2 × tp 2 on 8 ranks"),
     ]
+
+
+def predict(trial: Trial) -> MemoryEstimate:
+    """The planner's per-rank peak for a demo layout (CPU ranks: per-parameter AdamW, fp32)."""
+    model = load_config(None, DEMO_MODEL).model.resolve()
+    workload = Workload(seq_len=DEMO_SEQ_LEN, global_batch=trial.global_batch, precision="fp32")
+    return estimate_memory(model, trial.layout, workload, foreach=False)
 
 
 @dataclass
@@ -79,26 +93,54 @@ class Entry:
     why: str
     mem: list[dict[str, int]] = field(default_factory=list)
     error: str | None = None
+    predicted: dict[str, int] = field(default_factory=dict)  # the planner's breakdown of the most-loaded rank
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "fits": self.fits, "peak_mem_bytes": self.peak_mem_bytes,
+                "predicted_peak_mem_bytes": self.predicted.get("total"), "predicted_mem": self.predicted,
                 "final_loss": self.final_loss, "mem": self.mem, "error": self.error, "why": self.why}
 
 
-def _run_trial(trial: Trial, root: Path, nproc: int, budget: str, console: Console) -> Entry:
+def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
     base = DEMO_MODEL + DEMO_TRAIN + trial.overrides
-    nproc = trial.nproc or nproc
+    nproc, predicted = trial.nproc, predict(trial).as_dict()
     console.print(f"[bold]{trial.name}[/bold]: {trial.why} — training under a {budget} per-rank budget")
     outcome = launch(load_config(None, base + [f"train.memory_budget={budget}"]), root / trial.name, nproc)
     if outcome.ok:
         res = outcome.result
-        return Entry(trial.name, True, res["peak_mem_bytes"], res["final_loss"], trial.why, res["mem"])
+        return Entry(trial.name, True, res["peak_mem_bytes"], res["final_loss"], trial.why, res["mem"],
+                     predicted=predicted)
     console.print(f"  [red]does not fit[/red]: {outcome.message}")
     console.print(f"  measuring what it needs: {PROBE_STEPS} steps without the budget")
     probe: Outcome = launch(load_config(None, base + [f"train.steps={PROBE_STEPS}"]),
                             root / f"{trial.name}-unbounded", nproc)
     peak = probe.result["peak_mem_bytes"] if probe.ok else None
-    return Entry(trial.name, False, peak, None, trial.why, probe.result["mem"] if probe.ok else [], outcome.message)
+    return Entry(trial.name, False, peak, None, trial.why, probe.result["mem"] if probe.ok else [], outcome.message,
+                 predicted)
+
+
+def _plan_table(trials: list[Trial], budget: int) -> Table:
+    table = Table(title=f"the plan: predicted per-rank memory of each layout (most-loaded rank) vs the "
+                        f"{fmt_bytes(budget)} budget")
+    for col in ("layout", "ranks", "predicted peak", "params", "grads", "optim", "activations", "buffers",
+                "fits?"):
+        table.add_column(col, justify="left" if col in ("layout", "fits?") else "right")
+    for t in trials:
+        m = predict(t).as_dict()
+        table.add_row(t.name, str(t.nproc), fmt_bytes(m["total"]),
+                      *(fmt_bytes(m[k]) for k in ("params", "grads", "optim", "activations", "buffers")),
+                      "[green]yes[/green]" if m["total"] <= budget else "[red]no[/red]")
+    return table
+
+
+def _accuracy_table(entries: list[Entry]) -> Table:
+    table = Table(title="predicted (planner) vs measured (tracker) peak per rank")
+    for col in ("layout", "predicted", "measured", "error"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for e in entries:
+        pred, meas = e.predicted.get("total"), e.peak_mem_bytes
+        table.add_row(e.layout, fmt_bytes(pred), fmt_bytes(meas), f"{(pred - meas) / meas:+.1%}" if meas else "-")
+    return table
 
 
 def _table(entries: list[Entry], budget: str) -> Table:
@@ -121,8 +163,11 @@ def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET) -> int:
         return 2
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    entries = [_run_trial(t, run_dir, nproc, budget, console) for t in demo_trials(nproc)]
+    trials = demo_trials(nproc)
+    console.print(_plan_table(trials, parse_bytes(budget)))
+    entries = [_run_trial(t, run_dir, budget, console) for t in trials]
     console.print(_table(entries, budget))
+    console.print(_accuracy_table(entries))
     ddp, big = entries[0], entries[1]
     if ddp.peak_mem_bytes and big.peak_mem_bytes:
         console.print(f"A 4× larger micro-batch needs {fmt_bytes(big.peak_mem_bytes)} per rank instead of "

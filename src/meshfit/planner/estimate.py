@@ -17,6 +17,7 @@ it compares the total with a device (see :func:`usable_bytes`).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -107,6 +108,48 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
     return tuple(shares)
 
 
+def _param_sizes(model: ModelConfig, tp: int, share: _Share) -> tuple[list[float], list[float]]:
+    """Element counts of the share's matrices and of its vectors (the optimizer's two parameter groups)."""
+    d, hd, f = model.dim, model.head_dim, model.ffn_hidden
+    if model.family == "llama":
+        mats = [model.n_heads * hd * d, model.n_kv_heads * hd * d, model.n_kv_heads * hd * d,
+                d * model.n_heads * hd, f * d, d * f, f * d]
+        vecs = [d, d]  # the two RMSNorm gains, replicated across tensor-parallel ranks
+    else:
+        mats = [d * d] * 4 + [f * d, d * f]
+        # column-parallel biases (q, k, v, MLP up) are split; row-parallel ones and the norms are not
+        vecs = [d / tp] * 3 + [f / tp] + [d] * 2 + [d] * 4
+    matrices = [m / tp for m in mats] * share.layers
+    vectors = vecs * share.layers
+    if share.first:
+        matrices.append(model.vocab_size * d / tp)
+        if model.family == "gpt":
+            matrices.append(model.max_seq_len * d)
+    if share.last:
+        if not (model.tie_embeddings and share.first):
+            matrices.append(model.vocab_size * d / tp)
+        vectors += [d] if model.family == "llama" else [d, d]
+    return matrices, vectors
+
+
+@lru_cache(maxsize=4096)
+def _zero1_most_loaded(model: ModelConfig, tp: int, share: _Share, ranks: int) -> float:
+    """Elements whose optimizer states the most-loaded rank keeps under ZeroRedundancyOptimizer.
+
+    It assigns whole parameters, largest first, each to the rank holding the fewest elements so far, one
+    parameter group (matrices, then vectors) after the other: the rank that gets the embedding can hold
+    far more than an even share.
+    """
+    sizes = [0.0] * ranks
+    heap = [(0.0, r) for r in range(ranks)]
+    for group in _param_sizes(model, tp, share):
+        for numel in sorted(group, reverse=True):
+            load, rank = heapq.heappop(heap)
+            sizes[rank] = load + numel
+            heapq.heappush(heap, (sizes[rank], rank))
+    return max(sizes)
+
+
 def _mode(workload: Workload, layout: Layout) -> str:
     if workload.precision == "fp32":
         return "fp32"
@@ -115,30 +158,43 @@ def _mode(workload: Workload, layout: Layout) -> str:
     return "bf16"
 
 
-def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int) -> float:
-    """The last stage around the loss: final norm, logits, their fp32 copy, log-softmax and its gradient."""
+def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held: int = 1,
+                transient: bool = True) -> float:
+    """The last stage around the loss for ``held`` micro-batches whose forward is done and backward not.
+
+    Each keeps the final norm's saved tensors, its logits (compute dtype) and the log-softmax output
+    (fp32); on top comes the largest transient of the loss: two fp32 gradients (fp32) or the fp32 copy of
+    16-bit logits.
+    """
     vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
     p = 4 if mode == "fp32" else 2
     norm = tokens * model.dim * (12 if mode != "bf16" else 8) / (layout.tp if layout.sp else 1)
-    # At the start of backward: the logits (compute dtype), the log-softmax output (fp32), the gradients of
-    # the log-probabilities and of the fp32 logits, and (16-bit) that gradient cast back to the logits' dtype.
-    per_logit = p + 4 + 4 + 4 + (2 if p == 2 else 0)
-    return norm + tokens * vocab * per_logit
+    saved = norm + tokens * vocab * (p + 4)
+    # Measured: in fp32 the gradients of the log-probabilities and of the logits coexist; with 16-bit
+    # logits the peak comes in the forward, while the fp32 copy of the logits feeds the log-softmax.
+    # torch's loss-parallel cross-entropy keeps one more fp32 tensor of the local logits' size.
+    extra = 4 if layout.loss_parallel else 0
+    return held * saved + (tokens * vocab * ((8 if p == 4 else 4) + extra) if transient else 0.0)
 
 
-def _activations(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, mode: str) -> float:
-    """Saved activations of one micro-batch through ``share``'s layers (all its stages)."""
+def _activations(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, mode: str
+                 ) -> tuple[float, float]:
+    """(saved activations of one micro-batch through ``share``'s layers, what backward adds on top).
+
+    With checkpointing, backward re-runs one checkpointed block at a time in full; while that block's
+    gradients are computed its recomputed activations and the gradient temporaries (together about 1.45
+    blocks' activations, as measured with torch's tracker) are alive.
+    """
     kw = dict(mode=mode, seq=workload.seq_len, batch=layout.micro_batch, tp=layout.tp, sp=layout.sp)
     full = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, **kw)
     if layout.activation_checkpointing == "none":
-        return share.layers * full
+        return share.layers * full, 0.0
     kept = checkpointed_block_bytes(model, **kw)
     if layout.activation_checkpointing == "full":
         checkpointed = share.layers
     else:  # every 2nd block, as parallel.ac_every's default
         checkpointed = share.layers // 2
-    # In backward one checkpointed block at a time is recomputed in full.
-    return checkpointed * kept + (share.layers - checkpointed) * full + full
+    return checkpointed * kept + (share.layers - checkpointed) * full, full * 1.45
 
 
 def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int,
@@ -152,16 +208,25 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     fsdp = stage >= 2
     off = layout.offload
     params = 0.0 if off else n * w_bytes / (ds if fsdp else 1)
-    optim = 0.0 if off else n * k_bytes / (ds if stage >= 1 else 1)
+    if off:
+        optim = 0.0
+    elif stage == 1 and ds > 1:
+        optim = _zero1_most_loaded(model, layout.tp, share, ds) * k_bytes
+    else:
+        optim = n * k_bytes / (ds if stage >= 1 else 1)
     grads_full = 0.0 if off else n * g_bytes / (ds if fsdp else 1)
     buckets = n * g_bytes if (stage <= 1 and layout.dp > 1) else 0.0
     # RoPE's cos/sin tables (fp32, max_seq_len × head_dim each) live in every Llama stage module.
     buckets += 2 * model.max_seq_len * model.head_dim * 4 * share.stages if model.family == "llama" else 0.0
     tokens = workload.seq_len * layout.micro_batch
-    act_mb = _activations(model, layout, workload, share, mode)
-    head = _head_bytes(model, layout, mode, tokens) if share.last else 0.0
+    act_mb, recompute = _activations(model, layout, workload, share, mode)
     local = workload.global_batch // layout.dp
     micro = max(1, local // layout.micro_batch)
+    # GPipe runs every forward, loss included, before any backward; the other schedules start a
+    # micro-batch's backward right after its loss.
+    held = micro if (layout.pp > 1 and layout.schedule == "gpipe") else 1
+    head = _head_bytes(model, layout, mode, tokens, held) if share.last else 0.0
+    head_saved = _head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
     if layout.pp > 1:
         per_stage = act_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
@@ -173,29 +238,59 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
         edges = 2 * share.stages - (1 if share.first else 0) - (1 if share.last else 0)
         acts = in_flight * per_stage + head + edges * micro * boundary
         buckets += edges * micro * boundary
-        if share.last:
-            # The schedule keeps every micro-batch's logits to return them at the end of the step.
-            vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
-            acts += micro * tokens * vocab * (4 if mode == "fp32" else 2)
         # 1F1B-style schedules reach their most in-flight micro-batches at the first backward, after which
         # the stage's gradients exist; GPipe runs every forward before any backward.
         grads_loss = 0.0 if layout.schedule == "gpipe" else grads_full
     else:
         acts = act_mb + head
         grads_loss = grads_full if micro > 1 else 0.0
-    gathered, unit_grads = 0.0, 0.0
+        if micro > 1 and layout.tp > 1 and not fsdp and share.last:
+            # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
+            # the accumulated one (plain tensors accumulate in place).
+            grads_loss += model.vocab_size * model.dim / layout.tp * g_bytes
+    gathered = gathered_loss = unit_grads = 0.0
     if fsdp and ds > 1:
         # The root unit stays gathered through forward and backward. Stage 3 holds the current block and
         # the prefetched next one; stage 2 keeps every block from its forward to its backward, plus one
         # all-gather buffer. In backward a block's unsharded gradients exist until reduce-scattered.
         blocks = share.layers + 1 if stage == 2 else min(2, share.layers)
         gathered = (share.root_params + blocks * share.block_params) * c_bytes
-        # mixed precision: the bf16 gradient is cast to fp32 for the reduce-scatter (reduce_dtype)
-        unit_grads = share.block_params * (4 if workload.precision == "mixed" else c_bytes)
-    block_acts = acts - head
+        # At the loss stage 3 holds the root and at most one block (the last one is re-sharded after its
+        # forward; backward gathers it again).
+        gathered_loss = (share.root_params + (blocks if stage == 2 else 1) * share.block_params) * c_bytes
+        unit_grads = share.block_params * c_bytes
+        if mode == "bf16":
+            # Measured with 16-bit compute: the backward peak comes as the last block's backward starts,
+            # before its gradients exist, with gradient temporaries about the size of the block's h-wide
+            # activations.
+            unit_grads = 0.0
+            recompute += tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
+        if layout.pp > 1:
+            # torch's PipelineStage defers FSDP's gradient reduce-scatter and re-sharding to the end of the
+            # step: after the first backward every unit stays gathered and gradients accumulate unsharded.
+            gathered = gathered_loss = (share.root_params + (share.layers + 1) * share.block_params) * c_bytes
+            # FSDP2 accumulates unsynchronised gradients in the reduce dtype (fp32 under mixed precision)
+            grads_loss = n * (4 if workload.precision == "mixed" else c_bytes)
+            unit_grads = 0.0
+    # In the first blocks' backward the loss's saved tensors and one fp32 gradient of the logits are still
+    # alive (measured); the other temporaries of the loss are gone.
+    vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
+    block_acts = acts - head + (head_saved + tokens * vocab * 4 if share.last else 0.0)
     phases = {
-        "loss": (params + gathered, grads_loss, optim, acts, buckets),
-        "backward": (params + gathered, grads_loss + unit_grads, optim, block_acts, buckets),
+        "loss": (params + gathered_loss, grads_loss, optim, acts, buckets),
+        # The end of the forward: without mixed precision FSDP holds the root's all-gather output next to
+        # its unsharded parameters, while the loss has only its saved tensors (plus the fp32 copy of
+        # 16-bit logits, counted in the loss phase).
+        # (Stage 3 has re-sharded the last block; stage 2's spare all-gather buffer is free again.)
+        "forward end": (params + gathered_loss - (share.block_params * c_bytes if fsdp and ds > 1 else 0.0)
+                        + (share.root_params * c_bytes if fsdp and ds > 1 and c_bytes == 4 else 0.0),
+                        grads_loss, optim, acts - (head - head_saved), buckets),
+        # Stage 2's extra all-gather buffer is gone once backward runs.
+        "backward": (params + gathered - (share.block_params * c_bytes if stage == 2 and ds > 1 else 0.0),
+                     # With every other block checkpointed the recompute of the last block comes before
+                     # any block gradient (measured); with all blocks checkpointed they overlap.
+                     grads_loss + (0.0 if layout.activation_checkpointing == "selective" else unit_grads),
+                     optim, block_acts + recompute, buckets),
         "backward end": (params + (share.root_params * c_bytes if fsdp and ds > 1 else 0), grads_full, optim,
                          0.0, buckets),
     }

@@ -6,12 +6,14 @@ training code then runs unchanged for that rank, except where torch reads data t
 have sent or that only exists on real tensors; for those few places this module answers the way the real
 peers and kernels would (what is replaced and why is documented at each function). None of them allocates
 differently from a real run, so memory trackers see a real step's allocations. They rely on torch 2.13's
-private pieces (DTensor's sharding propagator, DDP's module helpers, the pipelining stage protocol).
+private pieces (DTensor's sharding propagator and caches, DDP's module helpers, the pipelining stage
+protocol).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,19 +26,51 @@ from torch.utils._python_dispatch import TorchDispatchMode
 def fake_world(world: int, rank: int) -> Iterator[Any]:
     """Fake process group of `world` ranks as global rank `rank`; yields the FakeTensorMode to use.
 
-    The group is destroyed and every patch undone on exit, so the process can run another dry run.
+    The group is destroyed, every patch undone and DTensor's caches of this world's meshes dropped on exit,
+    so the process can run another dry run (of another rank or world size) or a real run.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group (one is already initialized)")
+    _forget_device_meshes()  # meshes of an earlier (real) world in this process
+    # init_process_group wraps sys.excepthook to prefix "[rank<N>]" and nothing unwraps it: restored below,
+    # or each dry run would add a prefix of its own to every later uncaught error of this process.
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with _isolated_sharding_propagation(), _ddp_without_start_up_checks():
             yield FakeTensorMode(allow_non_fake_inputs=True)
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
+        _forget_device_meshes()
+
+
+def _forget_device_meshes() -> None:
+    """Empty DTensor's process-wide caches, whose entries hold the DeviceMesh objects of the world that
+    filled them.
+
+    A DeviceMesh hashes and compares by its shape, dimension names and global ranks only, not by its
+    process groups, so a mesh of the next world (same layout, or another rank's mesh of the same shape)
+    hits the entries of the previous one. The sharding propagation then returns output specs that carry
+    the old mesh: the op's output DTensor lives on it, and its next collective (e.g. a sequence-parallel
+    all-gather in PrepareModuleInput) resolves the old mesh's process-group name in the new world, where
+    it names no group ("Could not resolve the process group") or, by coincidence of numbering, another
+    one. Emptying them also frees the old world (meshes, groups), which these entries would keep alive.
+    """
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    # Op -> output specs: the dispatcher's C++ fast path, and the Python cache of this (the dry run's) thread.
+    _clear_sharding_prop_cache()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()  # keyed on op schemas (with meshes)
+    _gen_transform_infos.cache_clear()  # redistribute steps; flattened steps carry their own mesh
+    clear_redistribute_planner_cache()  # redistribute planners, keyed on (and holding) a mesh
+    MeshTopoInfo.build_from_mesh.cache_clear()  # per-mesh communication cost model
 
 
 def stand_in_for_peers(run: Any) -> None:

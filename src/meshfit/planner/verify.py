@@ -30,17 +30,15 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshfit.config import Config, load_config
 from meshfit.models import ModelConfig, get_preset
 from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.planfile import train_overrides
 from meshfit.units import fmt_bytes
 
-# Fields of ModelConfig that the config's `model` section can override (ModelSection).
-_MODEL_KEYS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len",
-               "tie_embeddings", "dropout")
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers", "total")
 
 
@@ -58,24 +56,6 @@ class VerifyResult:
     def to_dict(self) -> dict[str, Any]:
         return {"measured": dict(self.measured), "rank": self.rank, "stage_ids": self.stage_ids,
                 "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes, "steps": self.steps}
-
-
-def _model_overrides(model: ModelConfig | str, workload: Workload) -> list[str]:
-    """`model.*` overrides: the preset by name, or every field of a ModelConfig; dropout from the workload."""
-    if isinstance(model, str):
-        sets, resolved = [f"model.preset={model}"], get_preset(model)
-    else:
-        if (model.norm_eps, model.rope_theta) != (ModelConfig.norm_eps, ModelConfig.rope_theta):
-            raise ValueError("model: norm_eps and rope_theta cannot be set through the config; they do not "
-                             "change memory, so verify a ModelConfig with their default values")
-        # Any preset works as the base: every field the config can override is set explicitly.
-        sets = ["model.preset=tiny", *(f"model.{k}={getattr(model, k)}" for k in _MODEL_KEYS)]
-        resolved = model
-    if resolved.family == "llama" and workload.dropout:
-        raise ValueError(f"workload dropout={workload.dropout}: llama-family models have no dropout; use 0")
-    if resolved.family == "gpt":
-        sets.append(f"model.dropout={workload.dropout}")
-    return sets
 
 
 def _check_workload(workload: Workload) -> None:
@@ -96,14 +76,15 @@ def verify_config(model: ModelConfig | str, layout: Layout, workload: Workload) 
     """The meshfit Config that trains `layout` on `workload` (raises ValueError naming the field)."""
     layout.check()
     _check_workload(workload)
-    # `--set` reads the value "none" as null, which activation_checkpointing rejects; "none" is its default.
-    layout_sets = [s for s in layout.config_overrides(workload.global_batch)
-                   if s != "parallel.activation_checkpointing=none"]
-    sets = [*_model_overrides(model, workload), *layout_sets,
-            f"train.seq_len={workload.seq_len}", f"train.global_batch={workload.global_batch}",
-            f"parallel.mixed_precision={workload.precision == 'mixed'}", "train.device=cpu",
-            # A fixed figure: the MFU estimate is not used, and measuring the CPU would cost time.
-            "train.peak_flops=1e12"]
+    resolved = get_preset(model) if isinstance(model, str) else model
+    if resolved.family == "llama" and workload.dropout:
+        raise ValueError(f"workload dropout={workload.dropout}: llama-family models have no dropout; use 0")
+    if resolved.family == "gpt":
+        resolved = replace(resolved, dropout=workload.dropout)
+    sets = train_overrides(resolved, workload, layout) + [
+        "train.device=cpu",
+        # A fixed figure: the MFU estimate is not used, and measuring the CPU would cost time.
+        "train.peak_flops=1e12"]
     return load_config(None, sets)
 
 

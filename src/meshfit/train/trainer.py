@@ -179,7 +179,8 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> tupl
             if run.pipe is not None:
                 run.tracker.reset_mod_stats()
                 run.tracker.phase = "pipeline forward/backward"
-                losses = [pipeline_step(run.pipe, inputs, targets, run.env.device, run.cfg.parallel.loss_parallel)]
+                losses = [pipeline_step(run.pipe, inputs, targets, run.env.device, run.cfg.parallel.loss_parallel,
+                                        _autocast(run))]
             else:
                 losses = [
                     _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))

@@ -1,0 +1,125 @@
+"""The planner's per-rank peak against `meshfit verify` (fake-tensor dry run) and real CPU runs.
+
+Run: python benchmarks/plan_accuracy.py [--scale] [--skip-real]
+Small layouts (the `small` preset, fp32, seq 128, global batch 8) are predicted, dry-run and trained for
+3 real steps on local gloo ranks; with --scale, large models at their real world size are predicted and
+dry-run only. Prints one row per layout kind: predicted, verify and real peaks of the most-loaded rank
+and the errors, plus the wall time and memory of each dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import tempfile
+from pathlib import Path
+
+from meshfit.models.presets import get_preset
+from meshfit.planner.estimate import estimate_memory
+from meshfit.planner.layout import Layout, Workload
+from meshfit.units import fmt_bytes
+
+SMALL = Workload(seq_len=128, global_batch=8, precision="fp32")
+SMALL_CASES = [
+    ("ddp", Layout(dp_replicate=2)),
+    ("zero1", Layout(dp_shard=2, zero_stage=1)),
+    ("zero2", Layout(dp_shard=2, zero_stage=2)),
+    ("zero3", Layout(dp_shard=2, zero_stage=3)),
+    ("zero3 + full AC", Layout(dp_shard=2, zero_stage=3, activation_checkpointing="full")),
+    ("zero3 + offload", Layout(dp_shard=2, zero_stage=3, offload=True)),
+    ("hsdp 2×2", Layout(dp_replicate=2, dp_shard=2, zero_stage=3)),
+    ("tp 2 + sp", Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2)),
+    ("pp 2 1f1b", Layout(pp=2, schedule="1f1b")),
+    ("pp 2 gpipe", Layout(pp=2, schedule="gpipe", micro_batch=2)),
+    ("pp 2 interleaved", Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=2)),
+    ("pp 2 zbv", Layout(pp=2, schedule="zbv", virtual_stages=2)),
+    ("3d pp2·fsdp2·tp2", Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True)),
+]
+SCALE_CASES = [
+    ("llama3-8b", "zero3 ×64", Layout(dp_shard=64, zero_stage=3), Workload(seq_len=2048, global_batch=64)),
+    ("llama3-8b", "zero2 ×64", Layout(dp_shard=64, zero_stage=2), Workload(seq_len=2048, global_batch=64)),
+    ("llama3-8b", "zero1 ×64", Layout(dp_shard=64, zero_stage=1), Workload(seq_len=2048, global_batch=64)),
+    ("llama3-8b", "fsdp 8 × tp 8 + sp", Layout(dp_shard=8, tp=8, zero_stage=3, sp=True, loss_parallel=True),
+     Workload(seq_len=4096, global_batch=64)),
+    ("llama3-8b", "pp 4 × fsdp 16", Layout(pp=4, dp_shard=16, zero_stage=3), Workload(seq_len=2048, global_batch=128)),
+    ("llama3-70b", "zero3 ×256", Layout(dp_shard=256, zero_stage=3), Workload(seq_len=2048, global_batch=256)),
+    ("llama3-70b", "fsdp 32 × tp 8 + sp, AC", Layout(dp_shard=32, tp=8, zero_stage=3, sp=True, loss_parallel=True,
+                                                   activation_checkpointing="full"),
+     Workload(seq_len=8192, global_batch=256)),
+]
+
+
+def _verify(queue, model, layout, workload) -> None:
+    from meshfit.planner.verify import verify_layout
+
+    result = verify_layout(model, layout, workload)
+    queue.put(result.to_dict())
+
+
+def verify_in_subprocess(model, layout: Layout, workload: Workload) -> dict:
+    # A fresh process per dry run: the RSS figure is then the dry run's own.
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_verify, args=(queue, model, layout, workload))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def real_peak(layout: Layout, workload: Workload) -> int:
+    """Most-loaded rank's peak over steps 2..3 of a real run on local gloo ranks."""
+    from meshfit.config import load_config
+    from meshfit.planner.planfile import train_overrides
+    from meshfit.train.launch import launch
+
+    run_dir = Path(tempfile.mkdtemp(prefix="meshfit-accuracy-"))
+    sets = train_overrides(get_preset("small"), workload, layout) + ["train.steps=3", "train.device=cpu"]
+    outcome = launch(load_config(None, sets), run_dir, layout.world_size if layout.world_size > 1 else None)
+    if not outcome.ok:
+        raise RuntimeError(outcome.message)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(r["peak_mem_bytes"] for r in records if r["step"] >= 2)
+
+
+def _err(pred: float, meas: float | None) -> str:
+    return f"{(pred - meas) / meas:+6.1%}" if meas else "     -"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", action="store_true", help="also the large models (verify only)")
+    parser.add_argument("--skip-real", action="store_true", help="no real CPU runs")
+    parser.add_argument("--scale-only", action="store_true", help="only the large models")
+    args = parser.parse_args()
+    if not args.scale_only:
+        small(args.skip_real)
+    if args.scale or args.scale_only:
+        scale()
+
+
+def small(skip_real: bool) -> None:
+    print(f"{'layout (small, fp32)':24s} {'predicted':>10s} {'verify':>10s} {'real':>10s} {'vs verify':>9s} "
+          f"{'vs real':>8s}")
+    for name, layout in SMALL_CASES:
+        pred = estimate_memory(get_preset("small"), layout, SMALL, foreach=False).as_dict()["total"]
+        fake = verify_in_subprocess("small", layout, SMALL)["measured"]["total"]
+        real = None if skip_real else real_peak(layout, SMALL)
+        print(f"{name:24s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {fmt_bytes(real):>10s} "
+              f"{_err(pred, fake):>9s} {_err(pred, real):>8s}", flush=True)
+
+
+def scale() -> None:
+    print(f"\n{'model':11s} {'layout (mixed precision)':26s} {'predicted':>10s} {'verify':>10s} {'error':>7s} "
+          f"{'dry run':>8s} {'RSS':>10s}")
+    for preset, name, layout, workload in SCALE_CASES:
+        pred = estimate_memory(get_preset(preset), layout, workload, foreach=False).as_dict()["total"]
+        res = verify_in_subprocess(preset, layout, workload)
+        fake = res["measured"]["total"]
+        print(f"{preset:11s} {name:26s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {_err(pred, fake):>7s} "
+              f"{res['wall_s']:7.1f}s {fmt_bytes(res['max_rss_bytes']):>10s}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The planner's per-rank peak within 5% of `meshfit verify` (the real code, fake tensors) per layout kind.
+
+Real multi-process CPU runs are compared in tests/test_demo.py (every demo layout within 10%) and in
+benchmarks/plan_accuracy.py (the table in docs/planner.md).
+"""
+
+import dataclasses
+
+import pytest
+
+from meshfit.models.presets import get_preset
+from meshfit.planner.estimate import estimate_memory
+from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.verify import verify_layout
+
+# The `small` preset with a larger vocabulary, so that the logits weigh as they do in real models.
+MODEL = dataclasses.replace(get_preset("small"), vocab_size=8192, max_seq_len=256)
+FP32 = Workload(seq_len=128, global_batch=8, precision="fp32")
+MIXED = Workload(seq_len=128, global_batch=8, precision="mixed")
+
+KINDS = {
+    "ddp": (Layout(dp_replicate=4), FP32),
+    "zero1": (Layout(dp_shard=4, zero_stage=1), FP32),
+    "zero2": (Layout(dp_shard=4, zero_stage=2), MIXED),
+    "zero3": (Layout(dp_shard=8, zero_stage=3), MIXED),
+    "zero3-ac": (Layout(dp_shard=8, zero_stage=3, activation_checkpointing="full"), FP32),
+    "hsdp": (Layout(dp_replicate=2, dp_shard=4, zero_stage=3), FP32),
+    "tp-sp": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), FP32),
+    "fsdp-tp": (Layout(dp_shard=4, tp=2, zero_stage=3, sp=True, loss_parallel=True), MIXED),
+    "pp-1f1b": (Layout(pp=2, schedule="1f1b"), FP32),
+    "pp-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="1f1b"), MIXED),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_prediction_within_5_percent_of_verify(kind):
+    layout, workload = KINDS[kind]
+    predicted = estimate_memory(MODEL, layout, workload, foreach=False).as_dict()["total"]
+    measured = verify_layout(MODEL, layout, workload).measured["total"]
+    assert predicted == pytest.approx(measured, rel=0.05), (kind, predicted, measured)
