@@ -13,9 +13,9 @@ from meshfit.cli import build_parser
 TINY = ["--set", "model.preset=tiny", "--set", "train.steps=3", "--set", "train.seq_len=32"]
 
 
-def meshfit(*args, cwd=None):
+def meshfit(*args, cwd=None, timeout=240):
     return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=240)
+                          timeout=timeout)
 
 
 def test_help_is_clear():

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
 
 def test_demo_progression(tmp_path):
-    res = meshfit("demo", "--run-dir", str(tmp_path))
+    res = meshfit("demo", "--run-dir", str(tmp_path), timeout=390)
     assert res.returncode == 0, res.stderr
     summary = {e["layout"]: e for e in json.loads((tmp_path / "summary.json").read_text())}
     budget = parse_bytes(DEMO_BUDGET)

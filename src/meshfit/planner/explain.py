@@ -74,10 +74,12 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
     zero = {s: estimate_memory(plan.model, Layout(dp_shard=world, zero_stage=s, micro_batch=1), wl) for s in (1, 2, 3)}
     zero3_ac = estimate_memory(plan.model, Layout(dp_shard=world, zero_stage=3, micro_batch=1,
                                                   activation_checkpointing="full"), wl)
+    ddp_optim = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1), wl).optim
     lines = ["", f"What each technique buys and costs (per rank, {world} ranks, micro-batch 1):"]
     lines.append(
-        f"- ZeRO-1 shards the optimizer states over the data-parallel ranks: {fmt_bytes(zero[1].optim)} "
-        f"instead of {fmt_bytes(zero[1].optim * world)}; total {fmt_bytes(zero[1].total)}, "
+        f"- ZeRO-1 shards the optimizer states over the data-parallel ranks: {fmt_bytes(zero[1].optim)} on the "
+        f"most-loaded rank instead of {fmt_bytes(ddp_optim)} (torch assigns whole parameters, so the rank "
+        f"holding the embedding carries more than 1/{world}); total {fmt_bytes(zero[1].total)}, "
         f"{_verdict(zero[1], usable)}. Communication as DDP (all-reduce of gradients) plus a broadcast of "
         "the updated weights.")
     lines.append(

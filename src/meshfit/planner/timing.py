@@ -7,8 +7,8 @@ literature it cites and the way meshfit's torch building blocks communicate:
 * Compute: training FLOPs per token from ``flops_per_token`` (6 · matmul params + attention, Kaplan/PaLM)
   at ``efficiency`` × the datasheet peak (bf16 tensor cores for mixed/bf16, plain fp32 for fp32).
   Activation recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models"): full re-runs every block's forward (+1/3 of the blocks' fwd+bwd FLOPs), selective
-  only the attention core (QKᵀ and attention × V, 4·s·dim FLOPs per token and layer).
+  Transformer Models"): a checkpointed block re-runs its forward (+1/3 of its fwd+bwd FLOPs); "full"
+  checkpoints every block, meshfit's "selective" every second one.
 * Collectives are rings (Patarasuk & Yuan 2009; NCCL): all-reduce 2(n−1)/n · bytes/bw, all-gather and
   reduce-scatter (n−1)/n · bytes/bw, plus a latency alpha per hop and call ((n−1) hops, twice for an
   all-reduce, which is a reduce-scatter followed by an all-gather).
@@ -250,8 +250,10 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     share = (blocks * layer + head * has_head) / (model.n_layers * layer + head)
     core_r = blocks * core / tp  # attention-core forward FLOPs per token on this rank
     ac = layout.activation_checkpointing
-    redo = blocks * layer / tp if ac == "full" else core_r if ac == "selective" else 0.0
-    redo_core = core_r if ac != "none" else 0.0
+    # meshfit's "selective" checkpoints every second block in full (parallel.ac_every = 2).
+    rerun = {"full": 1.0, "selective": (blocks // 2) / max(1, blocks), "none": 0.0}[ac]
+    redo = rerun * blocks * layer / tp
+    redo_core = rerun * core_r
     slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
     rate = peak * efficiency
     tokens = local * s  # tokens of this rank's sequences per step
