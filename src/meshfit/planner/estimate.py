@@ -248,7 +248,7 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
             grads_loss += model.vocab_size * model.dim / layout.tp * g_bytes
-    gathered = gathered_loss = unit_grads = 0.0
+    gathered = gathered_loss = unit_grads = working = 0.0
     if fsdp and ds > 1:
         # The root unit stays gathered through forward and backward. Stage 3 holds the current block and
         # the prefetched next one; stage 2 keeps every block from its forward to its backward, plus one
@@ -260,18 +260,18 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
         gathered_loss = (share.root_params + (blocks if stage == 2 else 1) * share.block_params) * c_bytes
         unit_grads = share.block_params * c_bytes
         if mode == "bf16":
-            # Measured with 16-bit compute: the backward peak comes as the last block's backward starts,
-            # before its gradients exist, with gradient temporaries about the size of the block's h-wide
-            # activations.
-            unit_grads = 0.0
-            recompute += tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
+            # Measured with 16-bit compute: either the last block's backward starts (gradient temporaries
+            # about the size of its h-wide activations, no gradients yet) or its gradients exist, cast to
+            # fp32 for the reduce-scatter; the larger of the two is the peak.
+            unit_grads = share.block_params * 4
+            working = tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
         if layout.pp > 1:
             # torch's PipelineStage defers FSDP's gradient reduce-scatter and re-sharding to the end of the
             # step: after the first backward every unit stays gathered and gradients accumulate unsharded.
             gathered = gathered_loss = (share.root_params + (share.layers + 1) * share.block_params) * c_bytes
             # FSDP2 accumulates unsynchronised gradients in the reduce dtype (fp32 under mixed precision)
             grads_loss = n * (4 if workload.precision == "mixed" else c_bytes)
-            unit_grads = 0.0
+            unit_grads = working = 0.0
     # In the first blocks' backward the loss's saved tensors and one fp32 gradient of the logits are still
     # alive (measured); the other temporaries of the loss are gone.
     vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
@@ -289,8 +289,11 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
         "backward": (params + gathered - (share.block_params * c_bytes if stage == 2 and ds > 1 else 0.0),
                      # With every other block checkpointed the recompute of the last block comes before
                      # any block gradient (measured); with all blocks checkpointed they overlap.
-                     grads_loss + (0.0 if layout.activation_checkpointing == "selective" else unit_grads),
-                     optim, block_acts + recompute, buckets),
+                     grads_loss + (0.0 if layout.activation_checkpointing == "selective" or working else unit_grads),
+                     optim, block_acts + recompute + working, buckets),
+        # ... and once its gradients exist, most of the last block's activations are freed.
+        "block gradients": (params + gathered, grads_loss + unit_grads, optim,
+                            block_acts + recompute - act_mb / max(1, share.layers), buckets),
         "backward end": (params + (share.root_params * c_bytes if fsdp and ds > 1 else 0), grads_full, optim,
                          0.0, buckets),
     }
