@@ -272,10 +272,12 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
             # FSDP2 accumulates unsynchronised gradients in the reduce dtype (fp32 under mixed precision)
             grads_loss = n * (4 if workload.precision == "mixed" else c_bytes)
             unit_grads = working = 0.0
-    # In the first blocks' backward the loss's saved tensors and one fp32 gradient of the logits are still
-    # alive (measured); the other temporaries of the loss are gone.
+    # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
+    # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
+    # backward yet; the final norm's and the loss's other temporaries are gone.
     vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
-    block_acts = acts - head + (head_saved + tokens * vocab * 4 if share.last else 0.0)
+    last_loss = tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
+    block_acts = acts - head + (last_loss if share.last else 0.0)
     phases = {
         "loss": (params + gathered_loss, grads_loss, optim, acts, buckets),
         # The end of the forward: without mixed precision FSDP holds the root's all-gather output next to
