@@ -18,7 +18,7 @@ it compares the total with a device (see :func:`usable_bytes`).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from meshfit.models.config import ModelConfig
@@ -57,10 +57,11 @@ class MemoryEstimate:
     buffers: float
     phase: str  # the phase of the peak
     pp_rank: int = 0  # pipeline rank of the most-loaded stage
+    total: float = field(init=False)
 
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optim + self.activations + self.buffers
+    def __post_init__(self) -> None:
+        # Computed once: ranking compares totals of thousands of estimates.
+        object.__setattr__(self, "total", self.params + self.grads + self.optim + self.activations + self.buffers)
 
     def as_dict(self) -> dict[str, int]:
         out = {name: int(round(getattr(self, name))) for name in COMPONENTS}
@@ -304,7 +305,8 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     # one parameter's worth.
     temp = (n / (ds if stage >= 1 else 1) if foreach else share.largest) * k_bytes / (2 if workload.optimizer == "adamw" else 1)
     phases["optimizer"] = (params, grads_full, optim, temp if not off else 0.0, buckets)
-    phase = max(phases, key=lambda k: sum(phases[k]))
+    totals = {name: sum(parts) for name, parts in phases.items()}
+    phase = max(totals, key=totals.__getitem__)
     return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank)
 
 

@@ -29,7 +29,11 @@ class Candidate:
     memory: MemoryEstimate
     time: StepTime
     fits: bool
-    why: str
+    usable: float  # bytes the device lets tensors use
+
+    @property
+    def why(self) -> str:
+        return why_not(self.memory, self.usable)
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout.to_dict(), "description": self.layout.describe(), "fits": self.fits,
@@ -168,7 +172,7 @@ def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cl
     time = step_time(model, layout, workload, cluster)
     memory = estimate_memory(model, layout, workload)
     usable = usable_bytes(cluster.gpu.memory_bytes)
-    return Candidate(layout, memory, time, memory.total <= usable, why_not(memory, usable))
+    return Candidate(layout, memory, time, memory.total <= usable, usable)
 
 
 def search(model: ModelConfig, workload: Workload, cluster: Cluster, *, model_name: str = "custom",
@@ -184,8 +188,6 @@ def search(model: ModelConfig, workload: Workload, cluster: Cluster, *, model_na
         except ValueError:
             continue
         memory = estimate_memory(model, layout, workload)
-        candidates.append(Candidate(layout, memory, time, memory.total <= usable, ""))
+        candidates.append(Candidate(layout, memory, time, memory.total <= usable, usable))
     candidates.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s if c.fits else c.memory.total))
-    # The explanation strings are only needed for what gets shown or written; build them once, here.
-    candidates = [Candidate(c.layout, c.memory, c.time, c.fits, why_not(c.memory, usable)) for c in candidates]
     return Plan(model=model, model_name=model_name, workload=workload, cluster=cluster, candidates=candidates)
