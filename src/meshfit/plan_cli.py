@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from meshfit.planner.hardware import GPUS, Cluster, get_gpu
-from meshfit.planner.layout import AC_MODES, ATTENTIONS, OPTIMIZERS, PRECISIONS, Workload, parse_layout
+from meshfit.planner.layout import (AC_MODES, ATTENTIONS, OPTIMIZERS, PRECISIONS, Workload, parse_assignments,
+                                    parse_layout)
 from meshfit.units import fmt_bytes, parse_bytes
 
 
@@ -68,18 +69,10 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
         name, model = spec, PRESETS[spec]
     else:
         raise PlanInputError(f"--model {spec!r}: not a preset or a config.json file; presets: {', '.join(PRESETS)}")
-    types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    changes = {}
-    for item in filter(None, (p.strip() for p in dims.split(","))):
-        key, _, raw = item.partition("=")
-        if key not in types or not raw:
-            raise PlanInputError(f"--dims {item!r}: write KEY=VALUE with KEY one of {', '.join(types)}")
-        kind = types[key]
-        try:
-            changes[key] = (raw.lower() in ("1", "true", "yes") if kind == "bool" else
-                            int(raw) if kind == "int" else float(raw) if kind == "float" else raw)
-        except ValueError:
-            raise PlanInputError(f"--dims {key}={raw!r}: expected {kind}") from None
+    try:
+        changes = parse_assignments(dims, ModelConfig, "--dims")
+    except ValueError as exc:
+        raise PlanInputError(str(exc)) from None
     if changes:
         name, model = f"{name}+custom", dataclasses.replace(model, **changes)
     model.validate()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from meshfit.jsonfile import read_json_object
 from meshfit.models.config import ModelConfig
 
 # model_type values whose architecture is meshfit's Llama block (RMSNorm, RoPE, SwiGLU, GQA, no biases).
@@ -48,14 +48,7 @@ def _gpt2(cfg: dict[str, Any], path: Path) -> ModelConfig:
 def model_from_hf_config(path: str | Path) -> ModelConfig:
     """Read a Hugging Face ``config.json``; raises ValueError naming the file and what is wrong."""
     path = Path(path)
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a JSON file ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object with the model's hyper-parameters")
+    cfg = read_json_object(path, "file", "give the path of a Hugging Face config.json")
     kind = cfg.get("model_type")
     if kind in LLAMA_TYPES:
         model = _llama(cfg, path)

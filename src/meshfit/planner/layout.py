@@ -129,28 +129,35 @@ class Layout:
         return sets
 
 
-def parse_layout(text: str, base: Layout | None = None) -> Layout:
-    """``KEY=VAL,KEY=VAL`` (keys of :class:`Layout`) on top of ``base``; raises ValueError naming the key."""
+def _convert(kind: str, raw: str) -> Any:
+    if kind == "bool":
+        if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError
+        return raw.lower() in ("true", "1", "yes")
+    return int(raw) if kind == "int" else float(raw) if kind == "float" else raw
+
+
+def parse_assignments(text: str, cls: type, flag: str) -> dict[str, Any]:
+    """``KEY=VAL,KEY=VAL`` for the fields of dataclass ``cls``, each converted to its field's type;
+    ValueError naming ``flag``, the item and what would be valid."""
     values: dict[str, Any] = {}
-    types = {f.name: f.type for f in fields(Layout)}
+    types = {f.name: f.type for f in fields(cls)}  # annotations are strings here ("int", "bool", …)
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in types:
-            raise ValueError(f"--layout item {item!r}: write KEY=VALUE with KEY one of {', '.join(types)}")
-        raw = raw.strip()
+        key, raw = key.strip().replace("-", "_"), raw.strip()
+        if not sep or not raw or key not in types:
+            raise ValueError(f"{flag} item {item!r}: write KEY=VALUE with KEY one of {', '.join(types)}")
         kind = types[key]
         try:
-            if kind == "bool":
-                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                values[key] = raw.lower() in ("true", "1", "yes")
-            elif kind == "int":
-                values[key] = int(raw)
-            else:
-                values[key] = raw
+            values[key] = _convert(kind, raw)
         except ValueError:
-            raise ValueError(f"--layout {key}={raw!r}: expected {'true/false' if kind == 'bool' else kind}") from None
+            raise ValueError(f"{flag} {key}={raw!r}: expected {'true/false' if kind == 'bool' else kind}") from None
+    return values
+
+
+def parse_layout(text: str, base: Layout | None = None) -> Layout:
+    """``KEY=VAL,KEY=VAL`` (keys of :class:`Layout`) on top of ``base``; raises ValueError naming the key."""
+    values = parse_assignments(text, Layout, "--layout")
     layout = replace(base or Layout(), **values)
     if "zero_stage" not in values and layout.dp_shard > 1 and layout.zero_stage == 0:
         layout = replace(layout, zero_stage=3)  # the config's default for sharded data parallelism

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshfit.jsonfile import read_json_object
 from meshfit.models.config import ModelConfig
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.search import Candidate, Plan
@@ -33,13 +34,8 @@ def write_plan(path: Path, plan: Plan, chosen: Candidate) -> None:
 def read_plan(path: str | Path) -> tuple[ModelConfig, str, Workload, Layout]:
     """(model, model name, workload, layout) of a plan file; ValueError naming the file and the field."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such plan file (write one with `meshfit plan … --out {path}`)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a JSON plan file ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    doc = read_json_object(path, "plan file", f"write one with `meshfit plan … --out {path}`")
+    if doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a meshfit plan (expected \"format\": \"{FORMAT}\")")
     try:
         model = ModelConfig(**{k: doc["model"][k] for k in _MODEL_FIELDS if k in doc["model"]})
@@ -55,14 +51,24 @@ def read_plan(path: str | Path) -> tuple[ModelConfig, str, Workload, Layout]:
     return model, doc["model"].get("name", "custom"), workload, layout
 
 
+def check_trainable(workload: Workload) -> None:
+    """Refuse, naming the field, a workload the planner can reason about but meshfit does not train."""
+    workload.check()
+    if workload.precision == "bf16":
+        raise ValueError("workload precision='bf16' (pure bf16 weights and optimizer states) is not a mode "
+                         "meshfit trains: it trains bf16 as mixed precision with fp32 master weights; use "
+                         "precision 'mixed' (meshfit plan --precision mixed)")
+    if workload.optimizer != "adamw":
+        raise ValueError(f"workload optimizer={workload.optimizer!r}: meshfit trains with AdamW only; use "
+                         "optimizer 'adamw'")
+    if workload.attention != "flash":
+        raise ValueError(f"workload attention={workload.attention!r}: meshfit's models always run fused "
+                         "attention (scaled_dot_product_attention); use attention 'flash'")
+
+
 def train_overrides(model: ModelConfig, workload: Workload, layout: Layout) -> list[str]:
     """`--set` overrides that make `meshfit train` run this plan (the user's own --set come after)."""
-    if workload.precision == "bf16":
-        raise ValueError("the plan is for pure bf16 (bf16 weights and optimizer states); meshfit trains bf16 as "
-                         "mixed precision with fp32 master weights: plan with --precision mixed")
-    if workload.optimizer != "adamw":
-        raise ValueError(f"the plan is for optimizer {workload.optimizer!r}; meshfit trains with AdamW: plan "
-                         "with --optimizer adamw")
+    check_trainable(workload)
     sets = [f"model.{k}={getattr(model, k)}" for k in _MODEL_FIELDS]
     sets += [f"train.seq_len={workload.seq_len}", f"train.global_batch={workload.global_batch}",
              f"parallel.mixed_precision={'true' if workload.precision == 'mixed' else 'false'}"]

@@ -36,7 +36,7 @@ from typing import Any
 from meshfit.config import Config, load_config
 from meshfit.models import ModelConfig, get_preset
 from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.planfile import train_overrides
+from meshfit.planner.planfile import check_trainable, train_overrides
 from meshfit.units import fmt_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers", "total")
@@ -58,24 +58,10 @@ class VerifyResult:
                 "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes, "steps": self.steps}
 
 
-def _check_workload(workload: Workload) -> None:
-    workload.check()
-    if workload.precision == "bf16":
-        raise ValueError("workload precision='bf16' (pure bf16 weights and optimizer states) is not a mode "
-                         "meshfit trains: it trains bf16 as mixed precision with fp32 master weights; use "
-                         "precision 'mixed'")
-    if workload.optimizer != "adamw":
-        raise ValueError(f"workload optimizer={workload.optimizer!r}: meshfit trains with AdamW only "
-                         "(train/optim.py); use optimizer 'adamw'")
-    if workload.attention != "flash":
-        raise ValueError(f"workload attention={workload.attention!r}: meshfit's models always run fused "
-                         "attention (scaled_dot_product_attention); use attention 'flash'")
-
-
 def verify_config(model: ModelConfig | str, layout: Layout, workload: Workload) -> Config:
     """The meshfit Config that trains `layout` on `workload` (raises ValueError naming the field)."""
     layout.check()
-    _check_workload(workload)
+    check_trainable(workload)
     resolved = get_preset(model) if isinstance(model, str) else model
     if resolved.family == "llama" and workload.dropout:
         raise ValueError(f"workload dropout={workload.dropout}: llama-family models have no dropout; use 0")
