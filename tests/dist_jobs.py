@@ -23,3 +23,15 @@ def train_job(cfg_dict: dict[str, Any], run_dir: str | None = None) -> dict[str,
     cfg = config_from_dict(cfg_dict)
     env = init_distributed(cfg.train.device)
     return train(cfg, env, Path(run_dir) if run_dir else None)
+
+
+def resume_job(cfg_dict: dict[str, Any], root: str) -> dict[str, Any]:
+    """10 uninterrupted steps (root/full), then 5 steps + resume + 5 steps (root/split), on these ranks."""
+    cfg = config_from_dict(cfg_dict)
+    env = init_distributed(cfg.train.device)
+    full = train(cfg, env, Path(root) / "full")
+    stopped = train(cfg.model_copy(update={"train": cfg.train.model_copy(update={"stop_after": 5})}), env,
+                    Path(root) / "split")
+    resumed_cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
+    resumed = train(resumed_cfg, env, Path(root) / "split")
+    return {"full": full, "first": stopped, "second": resumed}

@@ -1,4 +1,4 @@
-"""Command line: `meshfit plan`, `meshfit verify`, `meshfit train` and `meshfit demo`."""
+"""Command line: `meshfit plan`, `meshfit verify`, `meshfit train`, `meshfit export` and `meshfit demo`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ examples:
   meshfit train --plan plan.json --nproc 8         run a plan (here: 8 local ranks)
   meshfit train --set model.preset=small --nproc 2 --set parallel.dp_replicate=2
   meshfit train --config run.toml --set train.steps=100 --run-dir runs/exp1
+  meshfit train --config run.toml --run-dir runs/exp1 --resume --nproc 4   continue, any layout
+  meshfit export runs/exp1 --out hf/exp1          latest checkpoint as HF safetensors
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m meshfit train --config run.toml           multi-node: one launch per node
 """
@@ -58,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the layout, model and workload of a `meshfit plan --out` file (--set still "
                             "applies on top, e.g. train.steps or train.device)")
     train.add_argument("--run-dir", type=Path, metavar="DIR",
-                       help="where config.yaml, metrics.jsonl and result.json go (default runs/train-<time>)")
+                       help="where config.yaml, metrics.jsonl, result.json and checkpoints/ go "
+                            "(default runs/train-<time>)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest complete checkpoint of --run-dir (or checkpoint.dir), "
+                            "under this or any other layout; a damaged one is skipped for the one before")
+    train.add_argument("--resume-from", type=Path, metavar="CHECKPOINT",
+                       help="continue from exactly this step-N checkpoint folder (no fallback)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="with --nproc: restart every rank up to N times after a rank fails; each "
+                            "restart resumes from the latest complete checkpoint (default 0)")
     plan = sub.add_parser("plan", help="rank every layout of a model on a cluster by predicted memory and speed",
                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     add_plan_arguments(plan, single_layout=False)
@@ -68,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="dry-run one layout's real code at full world size with fake tensors",
                             formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     add_plan_arguments(verify, single_layout=True)
+    export = sub.add_parser("export", help="write a checkpoint's weights as Hugging Face safetensors + config.json")
+    export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                        help="a step-N checkpoint folder, a checkpoints folder or a run folder (latest intact)")
+    export.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
+    export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of the written tensors (default fp32)")
     demo = sub.add_parser("demo", help="the seed scenario: a model over a per-rank memory budget")
     demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
     demo.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
@@ -90,9 +107,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if world > 1 and args.nproc is None and not under_torchrun():
             raise ConfigError(f"--plan {args.plan} lays the model out over {world} ranks: add --nproc {world} "
                               f"(local ranks) or launch under torchrun with {world} processes in all")
+    if args.resume or args.resume_from:
+        if args.resume and not args.run_dir and not any(o.startswith("checkpoint.dir=") for o in overrides):
+            raise ConfigError("--resume needs the run to continue: give its --run-dir (or checkpoint.dir)")
+        overrides = [*overrides, "checkpoint.resume=true"]
+        if args.resume_from:
+            overrides.append(f"checkpoint.resume_from={args.resume_from}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     cfg = load_config(args.config, overrides)
     run_dir = args.run_dir or _default_run_dir("train")
-    outcome = launch(cfg, run_dir, args.nproc)
+    outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts)
     if under_torchrun():
         # Leave without interpreter teardown (gloo's teardown race); exit code tells torchrun the outcome.
         sys.stdout.flush()
@@ -101,7 +126,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"error: {outcome.message}", file=sys.stderr)
         return 1
     result = outcome.result
-    print(f"done: {result['steps']} steps, final loss {result['final_loss']:.4f}; metrics in {run_dir}/metrics.jsonl")
+    if result.get("stopped"):
+        print(f"stopped ({result['stopped']}); checkpoint {result['checkpoint']}; continue with --resume "
+              f"--run-dir {run_dir}")
+    elif result["steps"] == 0:
+        print(f"nothing to do: the run is already at step {result['end_step']} of {cfg.train.steps}")
+    else:
+        print(f"done: steps {result['start_step'] + 1}–{result['end_step']}, final loss {result['final_loss']:.4f}; "
+              f"metrics in {run_dir}/metrics.jsonl")
+    for note in outcome.notes:
+        print(note)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from meshfit.export import export
+    from meshfit.train.checkpoint_store import CheckpointError
+
+    try:
+        files = export(args.checkpoint, args.out, args.dtype)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(f) for f in files))
     return 0
 
 
@@ -134,7 +181,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _cmd_train, "plan": _cmd_plan, "verify": _cmd_verify, "demo": _cmd_demo}[args.command](args)
+        commands = {"train": _cmd_train, "plan": _cmd_plan, "verify": _cmd_verify, "export": _cmd_export,
+                    "demo": _cmd_demo}
+        return commands[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

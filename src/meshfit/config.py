@@ -44,6 +44,9 @@ class ModelSection(_Section):
     dropout: float | None = None
     norm_eps: float | None = None
     rope_theta: float | None = None
+    # Start from these weights instead of random ones: a folder (or file) of Hugging Face-style
+    # safetensors, as `meshfit export` writes. Shapes must match the model above.
+    init_from: str | None = None
 
     def resolve(self):  # -> meshfit.models.ModelConfig (import kept local: models import torch)
         """The preset's ModelConfig with this section's overrides applied and validated."""
@@ -53,7 +56,8 @@ class ModelSection(_Section):
             base = get_preset(self.preset)
         except ValueError as exc:
             raise ConfigError(f"model.preset: {exc}") from None
-        overrides = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
+        overrides = {k: v for k, v in self.model_dump().items()
+                     if k not in ("preset", "init_from") and v is not None}
         cfg = dataclasses.replace(base, **overrides)
         try:
             cfg.validate()
@@ -144,6 +148,11 @@ class TrainSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_flops: float | None = None  # per device, for MFU; None = measured (CPU) or catalog (GPU)
     log_every: int = 1
+    stop_after: int | None = None  # end this launch after this many steps (the LR schedule still spans `steps`)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf loss or gradient on any rank: stop, or skip the step
+    # A rank that makes no progress for this long (a step, a collective, a save) is hung: every rank
+    # reports it and exits non-zero.
+    timeout_s: float = 600.0
 
     @field_validator("memory_budget", mode="before")
     @classmethod
@@ -155,6 +164,13 @@ class TrainSection(_Section):
             raise ValueError("must be a positive size such as 300MiB or 2GB")
         return size
 
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be a positive number of seconds")
+        return value
+
     @field_validator("steps", "global_batch", "seq_len", "log_every")
     @classmethod
     def _positive(cls, value: int) -> int:
@@ -162,11 +178,11 @@ class TrainSection(_Section):
             raise ValueError("must be a positive integer")
         return value
 
-    @field_validator("micro_batch")
+    @field_validator("micro_batch", "stop_after")
     @classmethod
     def _micro(cls, value: int | None) -> int | None:
         if value is not None and value <= 0:
-            raise ValueError("must be a positive integer (sequences per rank per forward pass)")
+            raise ValueError("must be a positive integer, or null for none")
         return value
 
     @field_validator("lr", "grad_clip")
@@ -184,12 +200,39 @@ class DataSection(_Section):
     token_dtype: Literal["uint16", "uint32", "int32", "int64"] | None = None
 
 
+class CheckpointSection(_Section):
+    """Distributed checkpoints: model, optimizer, LR schedule, data position, RNG states and step."""
+
+    interval: int = 0  # save every `interval` steps; 0 = only at the end
+    at_end: bool = True  # save after the last step
+    keep_latest: int = 2  # complete checkpoints kept (older ones are deleted); ≥ 2 so one can fall back
+    async_save: bool = False  # write in the background while training goes on
+    dir: str | None = None  # default: RUN_DIR/checkpoints
+    resume: bool = False  # continue from the latest complete checkpoint in `dir` (if there is one)
+    resume_from: str | None = None  # continue from exactly this checkpoint folder (no fallback)
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be ≥ 0 steps (0 saves only at the end)")
+        return value
+
+    @field_validator("keep_latest")
+    @classmethod
+    def _keep(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError("must be ≥ 2: the previous checkpoint is the fallback when the latest is damaged")
+        return value
+
+
 class Config(_Section):
     model: ModelSection = ModelSection()
     parallel: ParallelSection = ParallelSection()
     pipeline: PipelineSection = PipelineSection()
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
+    checkpoint: CheckpointSection = CheckpointSection()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -61,6 +61,16 @@ def _full_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> to
     return nn.init.normal_(full, mean=0.0, std=std, generator=_generator(seed, name))
 
 
+def _given(weights: dict[str, torch.Tensor], name: str, shape: torch.Size) -> torch.Tensor:
+    if name not in weights:
+        raise ValueError(f"model.init_from: the weights have no tensor for {name!r}")
+    full = weights[name]
+    if full.shape != shape:
+        raise ValueError(f"model.init_from: {name} has shape {tuple(full.shape)} there, the model needs "
+                         f"{tuple(shape)}; set the model section to the weights' dimensions")
+    return full
+
+
 def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
     if isinstance(param, DTensor):
         mesh = param.device_mesh
@@ -78,7 +88,8 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
+def init_weights(model: nn.Module, seed: int, cfg: ModelConfig,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
     """Initialize every parameter of ``model`` in place and recompute its buffers.
 
     Weights ~ N(0, 0.02), with ``wo``/``w2`` scaled by ``1/sqrt(2 * n_layers)``;
@@ -87,6 +98,8 @@ def init_weights(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
     not on the meta device: call ``model.to_empty(device=...)`` first.
     Each full tensor is generated on CPU in fp32, which costs host memory
     and time proportional to the largest parameter (the embedding table).
+    With ``weights`` (full tensors by plain name, e.g. from ``model.init_from``)
+    every parameter takes its value from there instead.
     """
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name, cfg)
@@ -94,7 +107,8 @@ def init_weights(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
             raise ValueError(
                 f"init_weights: {raw_name} is on the meta device; call model.to_empty(device=...) first"
             )
-        _copy_into(param, _full_value(name, param.shape, seed, cfg), raw_name)
+        full = _full_value(name, param.shape, seed, cfg) if weights is None else _given(weights, name, param.shape)
+        _copy_into(param, full, raw_name)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
         if callable(init_buffers):

@@ -23,10 +23,11 @@ from meshfit.parallel.tensor_parallel import apply_tensor_parallel
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
                 parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
-                device: torch.device, seed: int,
+                device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None = None,
                 materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> nn.Module:
     """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it.
 
+    `weights`: full starting weights by name (model.init_from) instead of the seeded initialization.
     `materialize` is entered around the steps that allocate (materialization, initialization, DDP): a
     dry run passes a FakeTensorMode there, while the layout itself is applied on meta outside it.
     """
@@ -41,7 +42,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
     # With offload the sharded parameters live in host memory; FSDP moves gathered copies to the device.
     with materialize():
         model.to_empty(device="cpu" if parallel.offload else device)
-        init_weights(model, seed, model_cfg)
+        init_weights(model, seed, model_cfg, weights)
         if zero_stage <= 1 and dims.dp > 1:
             model = apply_ddp(model, meshes)
     return model

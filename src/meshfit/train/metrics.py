@@ -54,15 +54,33 @@ def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: floa
     return tokens_per_s * flops_per_token / (world_size * peak)
 
 
+def _keep_records_through(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short when a rank was killed mid-write
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 class MetricsLog:
     """Rank 0's view: appends one JSON object per optimizer step and prints progress.
 
     A rich progress bar when stdout is a terminal; plain log lines otherwise (files, CI, torchrun logs).
     """
 
-    def __init__(self, path: Path | None, total_steps: int, log_every: int = 1, enabled: bool = True):
+    def __init__(self, path: Path | None, total_steps: int, log_every: int = 1, enabled: bool = True,
+                 start_step: int = 0):
+        """`start_step`: the step a resumed run continues from. Records of later steps (logged by an
+        attempt that died before its next checkpoint) are dropped: those steps run again."""
         self.enabled = enabled
         self.log_every = log_every
+        if enabled and path:
+            _keep_records_through(path, start_step)
         self.file = path.open("a") if (enabled and path) else None
         self.progress = None
         if enabled and sys.stdout.isatty():
@@ -70,7 +88,7 @@ class MetricsLog:
 
             self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
             self.progress.start()
 
     def record(self, rec: dict[str, Any]) -> None:

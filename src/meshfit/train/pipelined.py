@@ -39,7 +39,7 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig, device: torch.device,
                    materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   ) -> tuple[nn.ModuleList, Pipe]:
+                   weights: dict[str, torch.Tensor] | None = None) -> tuple[nn.ModuleList, Pipe]:
     """This rank's stage modules (each laid out like a whole model would be) and the schedule.
 
     `materialize`: see `parallelize`."""
@@ -51,7 +51,8 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
         stage = cut_stage(build_model(model_cfg, "meta"), plan.layers[sid], sid == 0, sid == last)
         modules.append(parallelize(stage, shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                                    zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
-                                   device=device, seed=cfg.train.seed, materialize=materialize))
+                                   device=device, seed=cfg.train.seed, weights=weights,
+                                   materialize=materialize))
     group = meshes.world["pp"].get_group()
     stages = [make_stage(m, sid, plan.n_stages, device, group) for m, sid in zip(modules, ids, strict=True)]
     schedule = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, pipeline_loss)

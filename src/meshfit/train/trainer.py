@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,10 @@ from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.data_parallel import zero1_group
 from meshfit.parallel.parallelize import parallelize
+from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
+from meshfit.train.faults import Faults, StopRequest, Watchdog
+from meshfit.train.guard import StepGuard
 from meshfit.train.metrics import MetricsLog, mfu, peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
 from meshfit.train.pipelined import Pipe, build_pipeline, pipeline_step
@@ -53,7 +57,10 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     pipe: Pipe | None = None  # pipeline parallelism: this rank's stages and schedule
-    history: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: Path | None = None
+    step: int = 0  # optimizer steps done, counting those before a resume
+    start_step: int = 0  # the step this launch started from (> 0 when resumed)
+    history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
@@ -64,13 +71,14 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
     meshes = shape.dims.build_mesh(env.device.type)
     model_cfg = cfg.model.resolve()
     torch.manual_seed(cfg.train.seed)
+    weights = _starting_weights(cfg, model_cfg)
     pipe = None
     if shape.stages is not None:
-        model, pipe = build_pipeline(cfg, shape, meshes, model_cfg, env.device, materialize)
+        model, pipe = build_pipeline(cfg, shape, meshes, model_cfg, env.device, materialize, weights)
     else:
         model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
-                            device=env.device, seed=cfg.train.seed, materialize=materialize)
+                            device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize)
     optimizer = build_optimizer(model, cfg.train, zero1_group(meshes) if shape.zero_stage == 1 else None)
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
                          seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
@@ -83,7 +91,19 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
     return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.train), batches=batches, tracker=tracker,
                flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
-               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe)
+               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir)
+
+
+def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | None:
+    if not cfg.model.init_from:
+        return None
+    from meshfit.config import ConfigError
+    from meshfit.models.hf_weights import load_hf
+
+    try:
+        return load_hf(cfg.model.init_from, model_cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager:
@@ -112,10 +132,12 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     return loss.detach()
 
 
-def _optimizer_step(run: Run) -> torch.Tensor:
+def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None) -> torch.Tensor:
     run.tracker.phase = "optimizer step"
     pp_group = run.pipe.group if run.pipe else None
     grad_norm = clip_grad_norm(list(run.model.parameters()), run.cfg.train.grad_clip, pp_group)
+    if guard is not None and not guard.allow_step(losses, grad_norm):
+        return grad_norm  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -157,21 +179,27 @@ def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
     return float(value) / run.shape.dims.dp
 
 
-def train_step(run: Run) -> dict[str, Any]:
+def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
     """One optimizer step; returns its metrics record (identical on every rank)."""
     start = time.perf_counter()
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
-    losses, grad_norm = measured_step(run, inputs, targets)
+    losses, grad_norm = measured_step(run, inputs, targets, guard)
     loss = _mean_over_dp(run, torch.stack(losses).mean())
     elapsed = time.perf_counter() - start
-    return _record(run, loss, float(grad_norm), lr, elapsed)
+    run.step += 1
+    record = _record(run, loss, float(grad_norm), lr, elapsed)
+    if guard is not None and guard.skipped:
+        record["skipped"] = True
+    return record
 
 
-def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
+                  guard: StepGuard | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Forward, backward and optimizer step of one batch under the rank's tracker (one peak window).
 
     Returns the micro-batch losses and the gradient norm as tensors (nothing is read back to the host).
+    `guard` (training, not dry runs) lets all ranks agree before the optimizer step; see guard.py.
     """
     micro = run.shape.micro_batch
     try:
@@ -186,7 +214,9 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> tupl
                     _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))
                     for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro), strict=True))
                 ]
-            grad_norm = _optimizer_step(run)
+            if guard is not None:
+                losses = guard.after_backward(losses)
+            grad_norm = _optimizer_step(run, losses, guard)
             run.tracker.settle()
     except torch.OutOfMemoryError:
         # On CUDA the allocator enforces the budget; report it like the tracker does on CPU.
@@ -209,7 +239,7 @@ def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) 
     tokens = run.cfg.train.global_batch * run.cfg.train.seq_len
     tps = tokens / elapsed
     return {
-        "step": len(run.history) + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+        "step": run.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
         "tokens_per_s": tps, "step_time_s": elapsed,
         "mfu": mfu(tps, run.flops_per_token, run.env.world_size, run.peak_flops),
         "peak_mem_bytes": max(m["peak"] for m in per_rank), "mem": per_rank,
@@ -217,34 +247,77 @@ def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) 
 
 
 def summarize(run: Run) -> dict[str, Any]:
-    """Run-level result: losses, the highest per-rank peak of any step, and the last step's breakdown.
+    """Run-level result: this launch's losses, the highest per-rank peak of any step, and the last step's
+    breakdown.
 
     The breakdown comes from the last step because the first steps are not yet steady: optimizer states
     appear during step 1 and DDP rebuilds its gradient buckets once in step 2.
     """
+    history = run.history
     return {
         "layout": run.shape.dims.describe(), "zero_stage": run.shape.zero_stage,
-        "world_size": run.env.world_size, "steps": len(run.history),
-        "final_loss": run.history[-1]["loss"], "losses": [r["loss"] for r in run.history],
-        "grad_norms": [r["grad_norm"] for r in run.history],
-        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in run.history), "mem": run.history[-1]["mem"],
-        "mean_step_time_s": sum(r["step_time_s"] for r in run.history[1:]) / max(1, len(run.history) - 1),
+        "world_size": run.env.world_size, "steps": len(history), "start_step": run.start_step,
+        "end_step": run.step,
+        "final_loss": history[-1]["loss"] if history else None, "losses": [r["loss"] for r in history],
+        "grad_norms": [r["grad_norm"] for r in history],
+        "skipped_steps": [r["step"] for r in history if r.get("skipped")],
+        "peak_mem_bytes": max((r["peak_mem_bytes"] for r in history), default=0),
+        "mem": history[-1]["mem"] if history else [],
+        "mean_step_time_s": sum(r["step_time_s"] for r in history[1:]) / max(1, len(history) - 1),
     }
 
 
 def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
-    """Train `cfg` on this rank; rank 0 writes metrics.jsonl and result.json into run_dir."""
-    run = build_run(cfg, env, run_dir)
-    is_main = env.rank == 0 and run_dir is not None
-    log = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, cfg.train.steps, cfg.train.log_every,
-                     enabled=env.rank == 0)
-    try:
-        for _ in range(cfg.train.steps):
-            run.history.append(train_step(run))
-            log.record(run.history[-1])
-    finally:
-        log.close()
+    """Train `cfg` on this rank; rank 0 writes metrics.jsonl and result.json into run_dir.
+
+    Resumes from a checkpoint when asked (checkpoint.resume / resume_from) or when torchrun restarted the
+    run after a failure; saves every checkpoint.interval steps, at the end, and when SIGTERM asks to stop.
+    """
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    faults = Faults(env.rank)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    stop = StopRequest()
+    stop.install()
+    with Watchdog(cfg.train.timeout_s, env.rank, run_dir) as watchdog:
+        try:
+            watchdog.arm("building the run")
+            run = build_run(cfg, env, run_dir)
+            ckpt = Checkpointer(cfg, env.rank, run_dir, faults)
+            watchdog.arm("loading the checkpoint")
+            run.step = run.start_step = ckpt.restore(run, restarted=attempt > 0)
+            _loop(run, ckpt, StepGuard(run, faults, stop, ckpt), watchdog, faults, stop)
+        finally:
+            stop.uninstall()
     result = summarize(run)
-    if is_main:
+    result.update(attempt=attempt, checkpoint=str(ckpt.last_folder) if ckpt.last_folder else None)
+    if stop.requested:
+        result["stopped"] = f"{stop.signal_name or 'stop request'} after step {run.step}"
+    if env.rank == 0 and run_dir is not None:
         (run_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, faults: Faults,
+          stop: StopRequest) -> None:
+    cfg = run.cfg
+    end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    log = MetricsLog(run.run_dir / "metrics.jsonl" if run.run_dir else None, cfg.train.steps, cfg.train.log_every,
+                     enabled=run.env.rank == 0, start_step=run.step)
+    try:
+        while run.step < end and not guard.stop_requested:
+            watchdog.arm(f"step {run.step + 1}")
+            faults.at_step_start(run.step + 1)
+            run.history.append(train_step(run, guard))
+            log.record(run.history[-1])
+            if ckpt.due(run.step) and not guard.stop_requested:
+                watchdog.arm(f"the checkpoint save after step {run.step}")
+                ckpt.save(run, run.step)
+        if ckpt.enabled and (cfg.checkpoint.at_end or guard.stop_requested) and ckpt.last_saved != run.step \
+                and run.step > run.start_step:
+            watchdog.arm(f"the checkpoint save after step {run.step}")
+            ckpt.save(run, run.step)
+        watchdog.arm("finishing the checkpoint save")
+        ckpt.wait()
+    finally:
+        log.close()

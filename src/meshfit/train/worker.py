@@ -7,11 +7,8 @@ os._exit after teardown: it avoids a gloo teardown race that can abort a rank af
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,23 +16,9 @@ from typing import Any
 import yaml
 
 from meshfit.config import Config, config_from_dict
-from meshfit.memory.tracker import MemoryBudgetExceeded
 from meshfit.train.dist import init_distributed, teardown
+from meshfit.train.faults import write_failure
 from meshfit.train.trainer import train
-
-
-def failure_record(rank: int, exc: BaseException) -> dict[str, Any]:
-    record = {"rank": rank, "time": time.time(), "error": type(exc).__name__, "message": str(exc),
-              "traceback": traceback.format_exc()}
-    if isinstance(exc, MemoryBudgetExceeded):
-        record["budget"] = exc.to_dict()
-    return record
-
-
-def write_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
-    folder = run_dir / "failures"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank{rank}.json").write_text(json.dumps(failure_record(rank, exc), indent=2))
 
 
 def run_worker(run_dir: Path, cfg: Config | None = None) -> int:

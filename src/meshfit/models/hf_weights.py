@@ -1,0 +1,153 @@
+"""meshfit weights ⇄ Hugging Face weights (LlamaForCausalLM, GPT2LMHeadModel) and their config.json.
+
+meshfit's Llama block is HF's (RMSNorm, rotate-half RoPE, SwiGLU, GQA, no biases): tensors are renamed.
+meshfit's GPT block is GPT-2's with separate q/k/v projections stored as nn.Linear ([out, in]); GPT-2 keeps
+them fused in one Conv1D ([in, 3·out]), so those are concatenated and transposed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from meshfit.models.config import ModelConfig
+
+_LLAMA = [  # (meshfit, HF) with {i} for the layer index
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+]
+_GPT = [  # renamed as they are; Conv1D weights (marked T) are transposed
+    ("tok_embeddings.weight", "transformer.wte.weight", False),
+    ("pos_embeddings.weight", "transformer.wpe.weight", False),
+    ("layers.{i}.attention_norm.{p}", "transformer.h.{i}.ln_1.{p}", False),
+    ("layers.{i}.ffn_norm.{p}", "transformer.h.{i}.ln_2.{p}", False),
+    ("layers.{i}.attention.wo.weight", "transformer.h.{i}.attn.c_proj.weight", True),
+    ("layers.{i}.attention.wo.bias", "transformer.h.{i}.attn.c_proj.bias", False),
+    ("layers.{i}.feed_forward.w1.weight", "transformer.h.{i}.mlp.c_fc.weight", True),
+    ("layers.{i}.feed_forward.w1.bias", "transformer.h.{i}.mlp.c_fc.bias", False),
+    ("layers.{i}.feed_forward.w2.weight", "transformer.h.{i}.mlp.c_proj.weight", True),
+    ("layers.{i}.feed_forward.w2.bias", "transformer.h.{i}.mlp.c_proj.bias", False),
+    ("norm.{p}", "transformer.ln_f.{p}", False),
+    ("output.weight", "lm_head.weight", False),
+]
+_QKV = ("wq", "wk", "wv")
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    return re.compile(f"^{escaped}$")
+
+
+def _rename(name: str, table: list[tuple], src: int, dst: int) -> tuple[str, bool] | None:
+    for row in table:
+        match = _pattern(row[src]).match(name)
+        if match:
+            return row[dst].format(**match.groupdict()), (row[2] if len(row) > 2 else False)
+    return None
+
+
+def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """meshfit full weights (plain names) → HF tensors; the tied output head is left out, as HF does."""
+    table = _LLAMA if cfg.family == "llama" else _GPT
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if cfg.tie_embeddings and name == "output.weight":
+            continue
+        if cfg.family == "gpt" and (m := re.match(r"^layers\.(\d+)\.attention\.(wq|wk|wv)\.(weight|bias)$", name)):
+            continue  # fused below
+        renamed = _rename(name, table, 0, 1)
+        if renamed is None:
+            raise ValueError(f"no Hugging Face name for meshfit tensor {name!r} ({cfg.family} family)")
+        hf_name, transpose = renamed
+        out[hf_name] = (tensor.t() if transpose else tensor).contiguous()
+    if cfg.family == "gpt":
+        for i in range(cfg.n_layers):
+            base = f"layers.{i}.attention"
+            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat(
+                [weights[f"{base}.{k}.weight"].t() for k in _QKV], dim=1).contiguous()
+            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([weights[f"{base}.{k}.bias"] for k in _QKV])
+    return out
+
+
+def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+    """HF tensors → meshfit full weights by plain name; raises ValueError naming `source` and the tensor."""
+    table = _LLAMA if cfg.family == "llama" else _GPT
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if cfg.family == "gpt" and (m := re.match(r"^transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)$", name)):
+            parts = tensor.split(cfg.dim, dim=-1)  # [in, 3·out] or [3·out]
+            for key, part in zip(_QKV, parts, strict=True):
+                out[f"layers.{m.group(1)}.attention.{key}.{m.group(2)}"] = part.t() if part.ndim == 2 else part
+            continue
+        if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
+            continue  # GPT-2's causal-mask buffers in old checkpoints
+        renamed = _rename(name, table, 1, 0)
+        if renamed is None:
+            raise ValueError(f"{source}: tensor {name!r} has no meshfit counterpart ({cfg.family} family)")
+        plain, transpose = renamed
+        out[plain] = tensor.t() if transpose else tensor
+    if cfg.tie_embeddings and "tok_embeddings.weight" in out:
+        out.setdefault("output.weight", out["tok_embeddings.weight"])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json for transformers' LlamaForCausalLM or GPT2LMHeadModel."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if cfg.family == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+                "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
+                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+                "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+                "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+                "torch_dtype": dtype_name}
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.dim, "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads, "n_inner": cfg.ffn_hidden, "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name}
+
+
+def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
+            dtype: torch.dtype = torch.float32) -> list[Path]:
+    """Write model.safetensors and config.json into out_dir; returns the files written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(dtype).contiguous() for k, v in to_hf(weights, cfg).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    return [out_dir / "model.safetensors", out_dir / "config.json"]
+
+
+def load_hf(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full fp32 meshfit weights from a folder of *.safetensors (or one file); checked against `cfg`."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"model.init_from={path}: no .safetensors files there (give the folder "
+                         "`meshfit export` wrote, or one .safetensors file)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                tensors.update({k: handle.get_tensor(k).float() for k in handle.keys()})
+        except Exception as exc:  # safetensors raises its own error types for damaged headers
+            raise ValueError(f"model.init_from: {file} cannot be read as safetensors: {exc}") from None
+    return from_hf(tensors, cfg, str(path))

@@ -1,0 +1,250 @@
+"""Distributed checkpoints of a run with torch.distributed.checkpoint (DCP), loadable under any layout.
+
+What is saved: model and optimizer states under their plain parameter names (torch's state-dict helpers
+remove DDP/FSDP/activation-checkpointing wrappers; pipeline stages are renamed back to the whole model's
+names; the optimizer state is flattened to one entry per parameter), the LR schedule, the data position
+(in global sequences, so it holds under any data-parallel size), the step and each rank's RNG state. Every
+rank writes only its own shards; DCP reshards on load, so a checkpoint saved under one layout resumes under
+another (FSDP, TP, PP, one process). Folders, markers and damage checks: see checkpoint_store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import sys
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from meshfit.config import Config
+from meshfit.train import checkpoint_store as store
+from meshfit.train.checkpoint_store import CheckpointError
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A pipeline rank's model is a ModuleList of its stages: names start with the stage's index in that list.
+_STAGE_PREFIX = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    # ZeRO-1 keeps this rank's share of the states in a plain optimizer over the parameters it owns.
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _plain_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    renamed, back = {}, {}
+    for key, value in state.items():
+        plain = _STAGE_PREFIX.sub(lambda m: m.group(1) or "", key, count=1)
+        renamed[plain], back[plain] = value, key
+    return renamed, back
+
+
+def _model_state(run: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """Model and optimizer state dicts under the whole model's parameter names, and the map back."""
+    model_sd, optim_sd = get_state_dict(run.model, _local_optimizer(run.optimizer), options=_OPTIONS)
+    if run.pipe is None:
+        return model_sd, optim_sd, {}
+    model_sd, back_m = _plain_names(model_sd)
+    optim_sd, back_o = _plain_names(optim_sd)
+    return model_sd, optim_sd, {**back_m, **back_o}
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _full_state(run: Any, step: int) -> tuple[dict[str, Any], dict[str, str]]:
+    model_sd, optim_sd, back = _model_state(run)
+    state = {
+        "model": model_sd, "optim": optim_sd,
+        "train": {"step": step, "scheduler": run.scheduler.state_dict(), "data": run.batches.state_dict()},
+        "rng": {f"rank{run.env.rank}": _rng_state(run.env.device)},
+    }
+    return state, back
+
+
+def _marker_info(run: Any, step: int) -> dict[str, Any]:
+    return {"step": step, "time": time.time(), "world_size": run.env.world_size,
+            "layout": run.shape.dims.describe(), "zero_stage": run.shape.zero_stage,
+            "model": run.cfg.model.model_dump(exclude={"init_from"}),
+            "model_config": dataclasses.asdict(run.cfg.model.resolve()),
+            "train": {"global_batch": run.cfg.train.global_batch, "seq_len": run.cfg.train.seq_len}}
+
+
+class Checkpointer:
+    """Saves this rank's part of the run's checkpoints and resumes from them. Every rank calls every method
+    at the same step (they are collective)."""
+
+    def __init__(self, cfg: Config, rank: int, run_dir: Path | None, faults: Any = None) -> None:
+        section = cfg.checkpoint
+        self.section = section
+        self.rank = rank
+        self.root = Path(section.dir) if section.dir else (Path(run_dir) / "checkpoints" if run_dir else None)
+        self.faults = faults
+        self.pending: tuple[int, Path, Future, Any] | None = None
+        self.last_saved: int | None = None
+        self.last_folder: Path | None = None
+        # Async saves coordinate on their own group, so their background collectives never interleave
+        # with the training step's.
+        self.group = dist.new_group(backend="gloo") if section.async_save and self.root else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None
+
+    def due(self, step: int) -> bool:
+        return self.enabled and self.section.interval > 0 and step % self.section.interval == 0
+
+    # -- saving ---------------------------------------------------------------------------------------
+
+    def save(self, run: Any, step: int) -> Path:
+        """Save the run after `step` optimizer steps (asynchronously when checkpoint.async_save)."""
+        self.wait()
+        folder = store.step_dir(self.root, step)
+        if self.rank == 0:
+            store.set_aside_newer(self.root, step)
+            if folder.exists():  # a save of this step from an earlier attempt: never mix the two
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        dist.barrier()
+        state, _ = _full_state(run, step)
+        timer = self.faults.during_save(step) if self.faults else None
+        info = _marker_info(run, step)
+        if self.group is not None:
+            response = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+            self.pending = (step, folder, getattr(response, "upload_completion", response), info)
+        else:
+            dcp.save(state, checkpoint_id=folder)
+            self._finalize(step, folder, info)
+        if timer is not None:
+            timer.join()  # the injected kill fires during the save, or just after it
+        return folder
+
+    def unfinished(self) -> bool:
+        """This rank still writes an async save (the trainer agrees on all ranks before finalizing)."""
+        return self.pending is not None and not self.pending[2].done()
+
+    def finalize_pending(self) -> None:
+        """Called on every rank once every rank's async save is done."""
+        if self.pending is not None:
+            step, folder, future, info = self.pending
+            self.pending = None
+            future.result()  # raises what the background save raised
+            self._finalize(step, folder, info)
+
+    def wait(self) -> None:
+        """Wait for an async save and finalize it (collective)."""
+        if self.pending is not None:
+            self.pending[2].result()
+            self.finalize_pending()
+
+    def _finalize(self, step: int, folder: Path, info: dict[str, Any]) -> None:
+        # Each rank hashes the files it wrote; rank 0 adds the rest and writes the marker last.
+        mine = store.digest_files(folder, sorted(p.name for p in folder.glob(f"__{self.rank}_*")))
+        gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, mine)
+        if self.rank == 0:
+            files = {k: v for part in gathered for k, v in part.items()}
+            rest = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in files
+                          and not p.name.startswith("."))
+            files.update(store.digest_files(folder, rest + [".metadata"]))
+            store.write_marker(folder, info, files)
+            store.prune(self.root, self.section.keep_latest, folder)
+        self.last_saved, self.last_folder = step, folder
+
+    # -- resuming -------------------------------------------------------------------------------------
+
+    def wanted(self, restarted: bool) -> bool:
+        return self.section.resume_from is not None or (self.enabled and (self.section.resume or restarted))
+
+    def restore(self, run: Any, restarted: bool = False) -> int:
+        """Load the checkpoint to resume from, if resuming; returns the step it continues from (0: fresh)."""
+        if not self.wanted(restarted):
+            return 0
+        folder, marker, error = self._choose()
+        if error:
+            raise CheckpointError(error)
+        if folder is None:
+            _say(self.rank, f"no complete checkpoint in {self.root} yet; starting at step 0")
+            return 0
+        _check_compatible(folder, marker, run)
+        same_world = marker["world_size"] == run.env.world_size
+        step = self._load(run, folder, same_world)
+        _say(self.rank, f"resumed from {folder} (step {step}, saved as {marker['layout']})")
+        return step
+
+    def _choose(self) -> tuple[Path | None, dict[str, Any] | None, str]:
+        # Rank 0 checks the files once and tells the others what to load.
+        choice: list[Any] = [None, None, ""]
+        if self.rank == 0:
+            pinned = Path(self.section.resume_from) if self.section.resume_from else None
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    folder, marker = store.choose(self.root, pinned) if self.root or pinned else (None, None)
+                for warning in caught:
+                    _say(0, f"warning: {warning.message}")
+                choice = [str(folder) if folder else None, marker, ""]
+            except CheckpointError as exc:
+                choice = [None, None, str(exc)]
+        dist.broadcast_object_list(choice, src=0)
+        return (Path(choice[0]) if choice[0] else None), choice[1], choice[2]
+
+    def _load(self, run: Any, folder: Path, same_world: bool) -> int:
+        state, back = _full_state(run, 0)
+        if not same_world:
+            # RNG states belong to ranks; under another world size they are re-seeded from the step.
+            del state["rng"]
+        try:
+            dcp.load(state, checkpoint_id=folder)
+        except Exception as exc:  # DCP wraps per-rank errors; name the checkpoint with the cause
+            raise CheckpointError(f"checkpoint {folder} cannot be loaded into this run: {_first_line(exc)}") from exc
+        model_sd = {back.get(k, k): v for k, v in state["model"].items()}
+        optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
+        set_state_dict(run.model, _local_optimizer(run.optimizer), model_state_dict=model_sd,
+                       optim_state_dict=optim_sd, options=_OPTIONS)
+        train = state["train"]
+        run.scheduler.load_state_dict(train["scheduler"])
+        for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # ZeRO-1 copies its own groups' lr onto the shard's optimizer at each step
+        run.batches.load_state_dict(train["data"])
+        step = int(train["step"])
+        if same_world:
+            rng = state["rng"][f"rank{run.env.rank}"]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], run.env.device)
+        else:
+            torch.manual_seed(run.cfg.train.seed + step)
+        return step
+
+
+def _check_compatible(folder: Path, marker: dict[str, Any], run: Any) -> None:
+    saved = marker.get("model_config", {})
+    now = dataclasses.asdict(run.cfg.model.resolve())
+    diff = [f"model.{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    if diff:
+        raise CheckpointError(f"checkpoint {folder} holds another model; set the model section as saved:\n  "
+                              + "\n  ".join(diff))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"[checkpoint] {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,63 @@
+"""What every rank agrees on before the optimizer steps: one small all-reduce per step.
+
+It carries, for each rank, whether its loss or gradient norm is NaN/Inf, whether a stop (SIGTERM) was
+requested anywhere, and whether an asynchronous checkpoint save is still being written. All ranks then take
+the same decision at the same step: step, skip the step (`train.on_nonfinite=skip`) or stop before the
+optimizer touches the parameters (`stop`), and end cleanly after this step when a stop was requested.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss or gradient: every rank stops at the same step, parameters untouched."""
+
+
+class StepGuard:
+    def __init__(self, run: Any, faults: Any, stop: Any, checkpointer: Any) -> None:
+        self.run = run
+        self.faults = faults
+        self.stop = stop
+        self.checkpointer = checkpointer
+        self.stop_requested = False
+        self.skipped = False
+
+    def after_backward(self, losses: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Fault injection point (tests): between backward and the gradient norm."""
+        if self.faults is None:
+            return losses
+        params = list(self.run.model.parameters())
+        return [self.faults.after_backward(self.run.step + 1, params, losses[0]), *losses[1:]]
+
+    def allow_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
+        """Agree with every rank; returns whether the optimizer may step (raises NonFiniteError on stop)."""
+        world = dist.get_world_size()
+        flags = torch.zeros(world + 2)
+        local = torch.stack([loss.detach().float().cpu() for loss in losses] + [grad_norm.detach().float().cpu()])
+        flags[dist.get_rank()] = float(not bool(torch.isfinite(local).all()))
+        flags[world] = float(self.stop.requested if self.stop is not None else 0)
+        flags[world + 1] = float(self.checkpointer.unfinished() if self.checkpointer is not None else 0)
+        flags = flags.to(self.run.env.device)  # NCCL reduces device tensors only
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = flags.cpu()
+        self.stop_requested = bool(flags[world])
+        if self.checkpointer is not None and self.checkpointer.pending is not None and not flags[world + 1]:
+            self.checkpointer.finalize_pending()  # every rank's background save is done
+        bad = [r for r in range(world) if flags[r]]
+        self.skipped = bool(bad)
+        if not bad:
+            return True
+        self.run.optimizer.zero_grad(set_to_none=True)
+        step = self.run.step + 1
+        where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+        if self.run.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {step} on {where}: every rank stopped before the optimizer "
+                f"step, so the parameters are those after step {step - 1}. Lower train.lr, check the data, or set "
+                "train.on_nonfinite=skip to skip such steps.")
+        return False
