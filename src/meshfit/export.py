@@ -6,6 +6,7 @@ shape, and loading without a process group assembles the shards.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ def read_model(folder: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
+        dcp.load(state, storage_reader=reader, no_dist=True)
     weights = {key.removeprefix("model."): value for key, value in state.items()}
     return weights, ModelConfig(**marker["model_config"]), marker
 

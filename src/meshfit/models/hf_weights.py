@@ -122,7 +122,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
             "n_head": cfg.n_heads, "n_inner": cfg.ffn_hidden, "vocab_size": cfg.vocab_size,
             "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-            "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name}
+            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
+            "torch_dtype": dtype_name}
 
 
 def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,

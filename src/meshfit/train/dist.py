@@ -42,10 +42,24 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) 
         timeout = timedelta(seconds=timeout_s)
         if world == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(world, timeout), rank=rank, world_size=world,
+                                    timeout=timeout, device_id=device if device.type == "cuda" else None)
         else:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, device_id=device
                                     if device.type == "cuda" else None)
     return RankEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def _attempt_store(world: int, timeout: timedelta) -> dist.Store:
+    """The torchrun agent's store, under a prefix of its own for each restart attempt.
+
+    The agent keeps one store across restarts: without the prefix a restarted rank can read the address
+    a dead rank of the previous attempt published, and gloo then waits on a peer that no longer exists.
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"meshfit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown() -> None:

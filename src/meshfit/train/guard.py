@@ -34,12 +34,23 @@ class StepGuard:
         params = list(self.run.model.parameters())
         return [self.faults.after_backward(self.run.step + 1, params, losses[0]), *losses[1:]]
 
-    def allow_step(self, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> bool:
-        """Agree with every rank; returns whether the optimizer may step (raises NonFiniteError on stop)."""
+    def locally_finite(self, losses: list[torch.Tensor]) -> bool:
+        """This rank's loss and own gradient shards are finite. Checked before clipping, which spreads one
+        rank's NaN to every rank through the global norm, so the report names the rank where it began."""
+        grads = [g.to_local() if hasattr(g, "to_local") else g
+                 for g in (p.grad for p in self.run.model.parameters()) if g is not None]
+        values = [loss.detach().float().reshape(()) for loss in losses]
+        values += [n.float() for n in torch._foreach_norm(grads)] if grads else []
+        return bool(torch.isfinite(torch.stack(values)).all())
+
+    def allow_step(self, local_ok: bool, grad_norm: torch.Tensor) -> bool:
+        """Agree with every rank; returns whether the optimizer may step (raises NonFiniteError on stop).
+
+        `local_ok`: see locally_finite. A non-finite global norm from finite shards (an overflow) stops
+        every rank too."""
         world = dist.get_world_size()
         flags = torch.zeros(world + 2)
-        local = torch.stack([loss.detach().float().cpu() for loss in losses] + [grad_norm.detach().float().cpu()])
-        flags[dist.get_rank()] = float(not bool(torch.isfinite(local).all()))
+        flags[dist.get_rank()] = float(not local_ok)
         flags[world] = float(self.stop.requested if self.stop is not None else 0)
         flags[world + 1] = float(self.checkpointer.unfinished() if self.checkpointer is not None else 0)
         flags = flags.to(self.run.env.device)  # NCCL reduces device tensors only
@@ -49,12 +60,14 @@ class StepGuard:
         if self.checkpointer is not None and self.checkpointer.pending is not None and not flags[world + 1]:
             self.checkpointer.finalize_pending()  # every rank's background save is done
         bad = [r for r in range(world) if flags[r]]
-        self.skipped = bool(bad)
-        if not bad:
+        overflow = not bad and not bool(torch.isfinite(grad_norm.detach()).all())
+        self.skipped = bool(bad) or overflow
+        if not self.skipped:
             return True
         self.run.optimizer.zero_grad(set_to_none=True)
         step = self.run.step + 1
-        where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+        where = (f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}" if bad
+                 else "every rank (the global gradient norm overflowed)")
         if self.run.cfg.train.on_nonfinite == "stop":
             raise NonFiniteError(
                 f"non-finite loss or gradient at step {step} on {where}: every rank stopped before the optimizer "

@@ -135,8 +135,9 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None) -> torch.Tensor:
     run.tracker.phase = "optimizer step"
     pp_group = run.pipe.group if run.pipe else None
+    local_ok = guard.locally_finite(losses) if guard is not None else True
     grad_norm = clip_grad_norm(list(run.model.parameters()), run.cfg.train.grad_clip, pp_group)
-    if guard is not None and not guard.allow_step(losses, grad_norm):
+    if guard is not None and not guard.allow_step(local_ok, grad_norm):
         return grad_norm  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
     run.scheduler.step()

@@ -30,7 +30,7 @@ def run_worker(run_dir: Path, cfg: Config | None = None) -> int:
     # error; the budget error itself is what the user needs.
     warnings.filterwarnings("ignore", message="module forward hook with ``always_call=True``")
     try:
-        env = init_distributed(cfg.train.device)
+        env = init_distributed(cfg.train.device, cfg.train.timeout_s)
         train(cfg, env, run_dir)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         write_failure(run_dir, rank, exc)
