@@ -35,3 +35,45 @@ def resume_job(cfg_dict: dict[str, Any], root: str) -> dict[str, Any]:
     resumed_cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
     resumed = train(resumed_cfg, env, Path(root) / "split")
     return {"full": full, "first": stopped, "second": resumed}
+
+
+def resume_layouts_job(cfg_dicts: dict[str, dict[str, Any]], root: str) -> dict[str, Any]:
+    """resume_job for several layouts of the same world size, one after the other on these ranks."""
+    return {name: resume_job(cfg, f"{root}/{name}") for name, cfg in cfg_dicts.items()}
+
+
+def nonfinite_cases_job(cases: list[tuple[dict[str, Any], str]]) -> list[dict[str, Any]]:
+    return [nonfinite_job(cfg, fault) for cfg, fault in cases]
+
+
+def nonfinite_job(cfg_dict: dict[str, Any], fault: str) -> dict[str, Any]:
+    """Train 4 steps with `fault` injected in step 3; returns what each step did and whether the parameters
+    after a refused step equal those before it."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from meshfit.train.faults import Faults
+    from meshfit.train.guard import NonFiniteError, StepGuard
+    from meshfit.train.trainer import build_run, train_step
+
+    cfg = config_from_dict(cfg_dict)
+    env = init_distributed(cfg.train.device)
+    run = build_run(cfg, env, None)
+    guard = StepGuard(run, Faults(env.rank, {"MESHFIT_FAULT": fault}), None, None)
+
+    def params() -> dict[str, torch.Tensor]:
+        return get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
+
+    out: dict[str, Any] = {"records": [], "error": None, "unchanged": None}
+    for _ in range(4):
+        before = {k: v.clone() for k, v in params().items()}
+        try:
+            record = train_step(run, guard)
+        except NonFiniteError as exc:
+            out["error"], out["error_step"] = str(exc), run.step + 1
+            out["unchanged"] = all(torch.equal(before[k], v) for k, v in params().items())
+            return out
+        if record.get("skipped"):
+            out["unchanged"] = all(torch.equal(before[k], v) for k, v in params().items())
+        out["records"].append({k: record.get(k) for k in ("step", "loss", "skipped")})
+    return out

@@ -96,6 +96,7 @@ class Checkpointer:
         self.pending: tuple[int, Path, Future, Any] | None = None
         self.last_saved: int | None = None
         self.last_folder: Path | None = None
+        self.save_seconds: list[float] = []  # how long each save blocked training
         # Async saves coordinate on their own group, so their background collectives never interleave
         # with the training step's.
         self.group = dist.new_group(backend="gloo") if section.async_save and self.root else None
@@ -112,6 +113,7 @@ class Checkpointer:
     def save(self, run: Any, step: int) -> Path:
         """Save the run after `step` optimizer steps (asynchronously when checkpoint.async_save)."""
         self.wait()
+        start = time.perf_counter()
         folder = store.step_dir(self.root, step)
         if self.rank == 0:
             store.set_aside_newer(self.root, step)
@@ -128,6 +130,7 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=folder)
             self._finalize(step, folder, info)
+        self.save_seconds.append(time.perf_counter() - start)
         if timer is not None:
             timer.join()  # the injected kill fires during the save, or just after it
         return folder

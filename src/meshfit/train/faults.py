@@ -16,6 +16,7 @@ TORCHELASTIC_RESTART_COUNT = 0), so a restarted run can recover from it.
 from __future__ import annotations
 
 import faulthandler
+import io
 import json
 import os
 import signal
@@ -180,7 +181,10 @@ class Watchdog:
         self._timer = threading.Timer(self.timeout_s, self._fire)
         self._timer.daemon = True
         self._timer.start()
-        faulthandler.dump_traceback_later(self.timeout_s + 5.0, exit=True)
+        try:  # the real stderr: a captured one (tests, notebooks) has no file descriptor
+            faulthandler.dump_traceback_later(self.timeout_s + 5.0, exit=True, file=sys.__stderr__)
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            pass  # no usable descriptor: the Python timer alone watches this rank
 
     def disarm(self) -> None:
         if self._timer is not None:
@@ -194,7 +198,10 @@ class Watchdog:
         if self.run_dir is not None:
             write_failure(self.run_dir, self.rank, TimeoutError(message))
         _say(message)
-        faulthandler.dump_traceback(all_threads=True)
+        try:
+            faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            pass
         sys.stderr.flush()
         os._exit(1)
 

@@ -240,7 +240,7 @@ def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) 
     tokens = run.cfg.train.global_batch * run.cfg.train.seq_len
     tps = tokens / elapsed
     return {
-        "step": run.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+        "step": run.step, "time": time.time(), "loss": loss, "grad_norm": grad_norm, "lr": lr,
         "tokens_per_s": tps, "step_time_s": elapsed,
         "mfu": mfu(tps, run.flops_per_token, run.env.world_size, run.peak_flops),
         "peak_mem_bytes": max(m["peak"] for m in per_rank), "mem": per_rank,
@@ -287,11 +287,12 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
             ckpt = Checkpointer(cfg, env.rank, run_dir, faults)
             watchdog.arm("loading the checkpoint")
             run.step = run.start_step = ckpt.restore(run, restarted=attempt > 0)
-            _loop(run, ckpt, StepGuard(run, faults, stop, ckpt), watchdog, faults, stop)
+            _loop(run, ckpt, StepGuard(run, faults, stop, ckpt), watchdog, faults)
         finally:
             stop.uninstall()
     result = summarize(run)
-    result.update(attempt=attempt, checkpoint=str(ckpt.last_folder) if ckpt.last_folder else None)
+    result.update(attempt=attempt, checkpoint=str(ckpt.last_folder) if ckpt.last_folder else None,
+                  checkpoint_save_s=ckpt.save_seconds)
     if stop.requested:
         result["stopped"] = f"{stop.signal_name or 'stop request'} after step {run.step}"
     if env.rank == 0 and run_dir is not None:
@@ -299,8 +300,7 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
     return result
 
 
-def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, faults: Faults,
-          stop: StopRequest) -> None:
+def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, faults: Faults) -> None:
     cfg = run.cfg
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     log = MetricsLog(run.run_dir / "metrics.jsonl" if run.run_dir else None, cfg.train.steps, cfg.train.log_every,

@@ -1,0 +1,78 @@
+"""`meshfit export` to Hugging Face safetensors, checked against transformers; training from such weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from dist_jobs import PARITY_BASE
+from meshfit.cli import main
+from meshfit.config import load_config
+from meshfit.export import find_checkpoint, read_model
+from meshfit.models import build_model
+from meshfit.models.hf import model_from_hf_config
+from meshfit.models.hf_weights import load_hf
+from meshfit.train.launch import launch
+
+
+def _trained(run_dir: Path, *overrides: str, nproc: int | None = None) -> Path:
+    outcome = launch(load_config(None, [*PARITY_BASE, "train.steps=2", *overrides]), run_dir, nproc)
+    assert outcome.ok, outcome.message
+    return run_dir
+
+
+def _meshfit_logits(weights: dict[str, torch.Tensor], model_cfg, tokens: torch.Tensor) -> torch.Tensor:
+    model = build_model(model_cfg, "cpu")
+    model.load_state_dict(weights)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_export_matches_transformers_and_round_trips(tmp_path: Path, preset: str) -> None:
+    run_dir = _trained(tmp_path / "run", f"model.preset={preset}")
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    weights, model_cfg, marker = read_model(find_checkpoint(run_dir))
+    assert marker["step"] == 2
+    assert model_from_hf_config(tmp_path / "hf" / "config.json") == model_cfg
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, model_cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    torch.testing.assert_close(theirs, _meshfit_logits(weights, model_cfg, tokens), atol=1e-5, rtol=1e-5)
+    back = load_hf(tmp_path / "hf", model_cfg)
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+
+
+def test_training_starts_from_exported_weights_under_any_layout(tmp_path: Path) -> None:
+    """A TP run saves, is exported, and a 2-rank FSDP run and a one-process run start from those weights:
+    both begin at the same loss, which is the exported model's loss on the first batch."""
+    _trained(tmp_path / "source", "parallel.tp=2", nproc=2)
+    assert main(["export", str(tmp_path / "source"), "--out", str(tmp_path / "hf")]) == 0
+    start = [*PARITY_BASE, "train.steps=1", f"model.init_from={tmp_path / 'hf'}", "checkpoint.at_end=false"]
+    fsdp = launch(load_config(None, [*start, "parallel.dp_shard=2"]), tmp_path / "fsdp", 2)
+    single = launch(load_config(None, start), tmp_path / "single")
+    fresh = launch(load_config(None, [*PARITY_BASE, "train.steps=1"]), tmp_path / "fresh")
+    assert fsdp.ok and single.ok and fresh.ok, fsdp.message or single.message
+    assert fsdp.result["losses"][0] == pytest.approx(single.result["losses"][0], abs=1e-5)
+    assert abs(single.result["losses"][0] - fresh.result["losses"][0]) > 1e-3  # not the random start
+
+
+def test_bad_export_and_init_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf")]) == 2
+    assert "no complete checkpoint there" in capsys.readouterr().err
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    outcome = launch(load_config(None, [*PARITY_BASE, f"model.init_from={tmp_path / 'bad.safetensors'}"]),
+                     tmp_path / "run")
+    assert not outcome.ok and "bad.safetensors cannot be read as safetensors" in outcome.message
+    run_dir = _trained(tmp_path / "small")
+    main(["export", str(run_dir), "--out", str(tmp_path / "hf")])
+    outcome = launch(load_config(None, [*PARITY_BASE, "model.dim=128", f"model.init_from={tmp_path / 'hf'}"]),
+                     tmp_path / "run2")
+    assert not outcome.ok and "has shape (256, 64) there, the model needs (256, 128)" in outcome.message
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_size"] == 64

@@ -1,0 +1,171 @@
+"""Faults on CPU ranks: a killed rank under restart, kills during saves, damaged checkpoints, NaN/Inf,
+SIGTERM and a hung rank. Faults are injected with MESHFIT_FAULT (see meshfit.train.faults)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_jobs import PARITY_BASE, nonfinite_cases_job, parity_config
+from meshfit.config import load_config
+from meshfit.testing import run_ranks
+from meshfit.train import checkpoint_store as store
+from meshfit.train.launch import launch
+
+DDP = [*PARITY_BASE, "train.steps=30", "parallel.dp_replicate=2", "checkpoint.interval=2"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _cli(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "meshfit", "train", *(x for item in overrides for x in ("--set", item))]
+
+
+def _env(fault: str = "") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MESHFIT_FAULT"}
+    if fault:
+        env["MESHFIT_FAULT"] = fault
+    return env
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """30 uninterrupted steps on 2 DDP ranks."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    outcome = launch(load_config(None, DDP), run_dir, 2)
+    assert outcome.ok, outcome.message
+    return outcome.result["losses"]
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_restarts_and_ends_with_the_same_losses(tmp_path: Path, ddp_reference: list[float],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHFIT_FAULT", "kill:rank=1:step=7")
+    outcome = launch(load_config(None, DDP), tmp_path, 2, max_restarts=1)
+    assert outcome.ok, outcome.message
+    assert outcome.result["attempt"] == 1 and outcome.result["start_step"] == 6  # last complete: step 6
+    assert outcome.notes and "recovered" in outcome.notes[0]
+    assert _losses(tmp_path) == ddp_reference  # steps 1–6 from the first attempt, 7–30 after the restart
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_saves_and_exits_0_then_resume_continues(tmp_path: Path, ddp_reference: list[float]) -> None:
+    proc = subprocess.Popen([*_cli(*DDP), "--nproc", "2", "--run-dir", str(tmp_path)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    result = json.loads((tmp_path / "result.json").read_text())
+    stopped_at = result["end_step"]
+    assert result["stopped"] == f"SIGTERM after step {stopped_at}" and stopped_at < 30
+    assert store.verify(Path(result["checkpoint"]))["step"] == stopped_at
+    resumed = subprocess.run([*_cli(*DDP), "--nproc", "2", "--run-dir", str(tmp_path), "--resume"], env=_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _losses(tmp_path) == ddp_reference
+
+
+def _train_in_child(run_dir: str, overrides: list[str], fault: str) -> None:
+    """One rank in a child process, with MESHFIT_FAULT set (see test_kills_during_saves...)."""
+    os.environ["MESHFIT_FAULT"] = fault
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends below
+    launch(load_config(None, overrides), Path(run_dir))
+    os._exit(0)
+
+
+@pytest.mark.timeout(300)
+def test_kills_during_saves_never_leave_an_incomplete_checkpoint_to_resume(tmp_path: Path) -> None:
+    """One rank, a checkpoint every step; 10 SIGKILLs at random points of a save (seeded), each followed by
+    a resume; the final run's losses equal an uninterrupted run's. The ranks are forked from a server that
+    has imported meshfit once (multiprocessing's forkserver), so each start takes a fraction of a second."""
+    base = [*PARITY_BASE, "train.steps=14", "checkpoint.interval=1"]
+    reference = launch(load_config(None, base), tmp_path / "reference")
+    assert reference.ok
+    save_s = max(reference.result["checkpoint_save_s"])
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["meshfit.train.launch", "meshfit.train.trainer"])
+    rng = random.Random(7)
+    run_dir, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    interrupted = 0
+    for i in range(10):
+        latest = store.complete_checkpoints(root)
+        step = int(latest[0].name.removeprefix("step-")) + 1 if latest else 1
+        fault = f"kill-in-save:rank=0:step={step}:delay={rng.uniform(0, 1.2 * save_s):.4f}"
+        child = ctx.Process(target=_train_in_child,
+                            args=(str(run_dir), [*base, *(["checkpoint.resume=true"] if i else [])], fault))
+        child.start()
+        child.join(timeout=120)
+        assert child.exitcode == -signal.SIGKILL
+        half_written = [f for _, f in store.step_folders(root) if not (f / store.MARKER).exists()]
+        interrupted += bool(half_written)
+        folder, _ = store.choose(root)
+        assert folder is None or folder not in half_written
+    assert interrupted >= 5  # most kills landed inside a save, before its marker
+    final = launch(load_config(None, [*base, "checkpoint.resume=true"]), run_dir)
+    assert final.ok, final.message
+    assert _losses(run_dir) == reference.result["losses"]
+
+
+def test_a_damaged_checkpoint_falls_back_unless_pinned(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    base = [*PARITY_BASE, "train.steps=6", "checkpoint.interval=2"]
+    assert launch(load_config(None, base), tmp_path).ok
+    latest = tmp_path / "checkpoints" / "step-00000006"
+    shard = latest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+    capfd.readouterr()
+    resumed = launch(load_config(None, [*base, "train.steps=8", "checkpoint.resume=true"]), tmp_path)
+    assert resumed.ok and resumed.result["start_step"] == 4
+    assert f"checkpoint file {shard} is truncated" in capfd.readouterr().err
+    newest = tmp_path / "checkpoints" / "step-00000008"  # written by the resumed run
+    marker = newest / store.MARKER
+    marker.write_text(marker.read_text()[:40])  # a damaged marker, pinned: an error, no fallback
+    pinned = launch(load_config(None, [*base, "train.steps=10", f"checkpoint.resume_from={newest}"]), tmp_path)
+    assert not pinned.ok and f"checkpoint file {marker} is corrupt" in pinned.message
+
+
+@pytest.mark.timeout(240)
+def test_nan_or_inf_on_one_rank_stops_every_rank_or_skips_the_step() -> None:
+    cases = [(parity_config("parallel.dp_replicate=2"), "nan-grad:rank=1:step=3"),
+             (parity_config("parallel.dp_shard=2"), "inf-loss:rank=0:step=3"),
+             (parity_config("parallel.dp_shard=2", "train.on_nonfinite=skip"), "nan-grad:rank=1:step=3")]
+    ranks = run_ranks(nonfinite_cases_job, 2, cases, timeout_s=220)
+    for case in (0, 1):  # stop: both ranks at step 3, parameters untouched, the bad rank named
+        bad = "rank 1" if case == 0 else "rank 0"
+        for rank in ranks:
+            assert rank[case]["error_step"] == 3 and rank[case]["unchanged"]
+            assert f"at step 3 on {bad}:" in rank[case]["error"]
+    for rank in ranks:  # skip: step 3 skipped with parameters untouched, training goes on
+        records = rank[2]["records"]
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        assert [bool(r["skipped"]) for r in records] == [False, False, True, False]
+        assert rank[2]["unchanged"] and records[3]["loss"] == records[3]["loss"]  # finite again
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_makes_every_rank_exit_non_zero_within_the_timeout(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHFIT_FAULT", "hang:rank=1:step=3")
+    cfg = load_config(None, [*PARITY_BASE, "parallel.dp_shard=2", "train.timeout_s=4"])
+    outcome = launch(cfg, tmp_path, 2)
+    assert not outcome.ok and outcome.failed_ranks == (0, 1)
+    assert set(outcome.exit_codes) == {0, 1} and all(code != 0 for code in outcome.exit_codes.values())
+    assert "made no progress for 4 s during step 3" in outcome.message
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    reports = [json.loads((tmp_path / "failures" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # Each rank gave up at most the timeout (plus scheduling slack) after the last completed step.
+    assert all(r["time"] - steps[-1]["time"] < 4 + 3 for r in reports)
