@@ -4,7 +4,7 @@
 
 Each fault runs on CPU gloo ranks with the tiny model. "Recovered" means what the fault calls for:
   kill         a rank is SIGKILLed at a random step under --max-restarts 1; the run restarts and its 30
-               losses equal an uninterrupted run's. Time: last step before the kill → first step after it.
+               losses equal an uninterrupted run's. Time: the run's wall time minus an uninterrupted run's.
   kill-in-save the only rank is killed at a random point of a save (10 points); the next --resume picks a
                complete checkpoint and the final losses equal an uninterrupted run's. Time: resume launch →
                first step.
@@ -62,15 +62,14 @@ def first_step_after(run_dir: Path, start: float) -> float:
     return min(r["time"] for r in records(run_dir) if r["time"] >= start) - start
 
 
-def drill_kill(root: Path, rng: random.Random, reference: list[float], repeats: int) -> list[tuple[bool, float]]:
+def drill_kill(root: Path, rng: random.Random, reference: list[float], ref_wall: float,
+               repeats: int) -> list[tuple[bool, float]]:
+    """Time to recover: the faulted run's wall time minus the uninterrupted run's (restart + redone steps)."""
     out = []
     for i in range(repeats):
         run_dir, step = root / f"kill{i}", rng.randint(3, 28)
-        proc, _ = train(run_dir, BASE, "--max-restarts", "1", fault=f"kill:rank={rng.randint(0, 1)}:step={step}")
-        recs = records(run_dir)
-        before = max(r["time"] for r in recs if r["step"] == step - 1)
-        after = min(r["time"] for r in recs if r["time"] > before and r["step"] != step - 1)
-        out.append((proc.returncode == 0 and losses(run_dir) == reference, after - before))
+        proc, start = train(run_dir, BASE, "--max-restarts", "1", fault=f"kill:rank={rng.randint(0, 1)}:step={step}")
+        out.append((proc.returncode == 0 and losses(run_dir) == reference, time.time() - start - ref_wall))
     return out
 
 
@@ -80,21 +79,20 @@ def drill_kill_in_save(root: Path, rng: random.Random, single_ref: list[float]) 
     ref_dir = root / "single-ref"
     train(ref_dir, SINGLE, nproc=None)
     save_s = max(json.loads((ref_dir / "result.json").read_text())["checkpoint_save_s"])
-    run_dir, out, starts = root / "kill-in-save", [], []
+    run_dir, safe, recovery = root / "kill-in-save", [], []
     for i in range(10):
         latest = store.complete_checkpoints(run_dir / "checkpoints")
         step = int(latest[0].name.removeprefix("step-")) + 1 if latest else 1
         fault = f"kill-in-save:rank=0:step={step}:delay={rng.uniform(0, 1.2 * save_s):.4f}"
         proc, start = train(run_dir, SINGLE, *(["--resume"] if i else []), fault=fault, nproc=None)
-        starts.append(start)
+        if i:  # this launch recovered from the previous kill: time to its first step (read before a trim)
+            recovery.append(first_step_after(run_dir, start))
         chosen, _ = store.choose(run_dir / "checkpoints")
-        out.append((proc.returncode == -signal.SIGKILL and (chosen is None or (chosen / store.MARKER).exists()),
-                    0.0))
-    train(run_dir, SINGLE, "--resume", nproc=None)
-    # Each kill recovered in the next launch: time from that launch to its first step.
-    times = [first_step_after(run_dir, s) for s in starts[1:]]
+        safe.append(proc.returncode == -signal.SIGKILL and (chosen is None or (chosen / store.MARKER).exists()))
+    _, final_start = train(run_dir, SINGLE, "--resume", nproc=None)
+    recovery.append(first_step_after(run_dir, final_start))
     final_ok = losses(run_dir) == single_ref
-    return [(ok and final_ok, t) for (ok, _), t in zip(out, [*times, first_step_after(run_dir, starts[-1])])]
+    return [(ok and final_ok, t) for ok, t in zip(safe, recovery, strict=True)]
 
 
 def drill_damaged(root: Path) -> list[tuple[bool, float]]:
@@ -167,12 +165,13 @@ def main() -> None:
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     rng = random.Random(0)
-    train(args.out / "ref", BASE)
+    _, ref_start = train(args.out / "ref", BASE)
+    ref_wall = time.time() - ref_start
     reference = losses(args.out / "ref")
     train(args.out / "single", SINGLE, nproc=None)
     single_ref = losses(args.out / "single")
     drills = {
-        "kill (restart)": lambda: drill_kill(args.out, rng, reference, args.repeats),
+        "kill (restart)": lambda: drill_kill(args.out, rng, reference, ref_wall, args.repeats),
         "kill during save": lambda: drill_kill_in_save(args.out, rng, single_ref),
         "damaged checkpoint": lambda: drill_damaged(args.out),
         "NaN gradient (stop, skip)": lambda: drill_nan(args.out, reference),

@@ -69,7 +69,7 @@ def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
     for name, tensor in weights.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue
-        if cfg.family == "gpt" and (m := re.match(r"^layers\.(\d+)\.attention\.(wq|wk|wv)\.(weight|bias)$", name)):
+        if cfg.family == "gpt" and re.match(r"^layers\.\d+\.attention\.(wq|wk|wv)\.(weight|bias)$", name):
             continue  # fused below
         renamed = _rename(name, table, 0, 1)
         if renamed is None:

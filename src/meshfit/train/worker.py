@@ -11,7 +11,6 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
 
 import yaml
 
