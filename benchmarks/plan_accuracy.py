@@ -103,7 +103,7 @@ def small(skip_real: bool) -> None:
     print(f"{'layout (small, fp32)':24s} {'predicted':>10s} {'verify':>10s} {'real':>10s} {'vs verify':>9s} "
           f"{'vs real':>8s}")
     for name, layout in SMALL_CASES:
-        pred = estimate_memory(get_preset("small"), layout, SMALL, foreach=False).as_dict()["total"]
+        pred = estimate_memory(get_preset("small"), layout, SMALL).as_dict()["total"]
         fake = verify_in_subprocess("small", layout, SMALL)["measured"]["total"]
         real = None if skip_real else real_peak(layout, SMALL)
         print(f"{name:24s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {fmt_bytes(real):>10s} "
@@ -114,7 +114,7 @@ def scale() -> None:
     print(f"\n{'model':11s} {'layout (mixed precision)':26s} {'predicted':>10s} {'verify':>10s} {'error':>7s} "
           f"{'dry run':>8s} {'RSS':>10s}")
     for preset, name, layout, workload in SCALE_CASES:
-        pred = estimate_memory(get_preset(preset), layout, workload, foreach=False).as_dict()["total"]
+        pred = estimate_memory(get_preset(preset), layout, workload).as_dict()["total"]
         res = verify_in_subprocess(preset, layout, workload)
         fake = res["measured"]["total"]
         print(f"{preset:11s} {name:26s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {_err(pred, fake):>7s} "

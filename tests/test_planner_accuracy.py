@@ -36,6 +36,6 @@ KINDS = {
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_prediction_within_5_percent_of_verify(kind):
     layout, workload = KINDS[kind]
-    predicted = estimate_memory(MODEL, layout, workload, foreach=False).as_dict()["total"]
+    predicted = estimate_memory(MODEL, layout, workload).as_dict()["total"]
     measured = verify_layout(MODEL, layout, workload).measured["total"]
     assert predicted == pytest.approx(measured, rel=0.05), (kind, predicted, measured)

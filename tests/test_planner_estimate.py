@@ -63,7 +63,7 @@ def test_single_rank_prediction_matches_a_real_run(tmp_path, micro_batch):
     # fp32 on one CPU rank: micro-batch 1 accumulates gradients over 4 forwards, micro-batch 4 runs once.
     layout = Layout(micro_batch=micro_batch)
     workload = Workload(seq_len=128, global_batch=4, precision="fp32")
-    predicted = estimate_memory(get_preset("small"), layout, workload, foreach=False).as_dict()
+    predicted = estimate_memory(get_preset("small"), layout, workload).as_dict()
     measured = _train_peak(tmp_path, ["model.preset=small", "train.seq_len=128", "train.global_batch=4",
                                       f"train.micro_batch={micro_batch}"])
     assert predicted["total"] == pytest.approx(measured["peak"], rel=0.03)

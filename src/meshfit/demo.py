@@ -82,7 +82,7 @@ def predict(trial: Trial) -> MemoryEstimate:
     """The planner's per-rank peak for a demo layout (CPU ranks: per-parameter AdamW, fp32)."""
     model = load_config(None, DEMO_MODEL).model.resolve()
     workload = Workload(seq_len=DEMO_SEQ_LEN, global_batch=trial.global_batch, precision="fp32")
-    return estimate_memory(model, trial.layout, workload, foreach=False)
+    return estimate_memory(model, trial.layout, workload)
 
 
 @dataclass

@@ -180,7 +180,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     workload = resolve_workload(args, layout.world_size)
     if args.micro_batch:
         layout = dataclasses.replace(layout, micro_batch=args.micro_batch)
-    predicted = estimate_memory(model, layout, workload, foreach=False).as_dict()
+    predicted = estimate_memory(model, layout, workload).as_dict()
     console = Console(stderr=True)
     progress = None if args.json else (lambda msg: console.print(f"[dim]{msg}[/dim]"))
     result = verify_layout(model, layout, workload, progress=progress)

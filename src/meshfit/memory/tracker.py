@@ -94,6 +94,7 @@ class _RankTracking:
     def peak(self) -> dict[str, Any]:
         """The breakdown at the step's peak, plus `max`: each category's (and torch type's) own maximum."""
         out: dict[str, Any] = fold_snapshot(self._device_snap(self._peak_mem_snap), self.host)
+        out["phase"] = getattr(self, "_peak_phase", "setup")  # the trainer's phase label at the peak
         maxima = fold_snapshot(self._category_max)
         out["max"] = {k: v for k, v in maxima.items() if k not in ("activations_other", "peak", "offloaded")}
         out["max_by_type"] = {str(k.value if hasattr(k, "value") else k): v for k, v in self._category_max.items()
@@ -106,6 +107,7 @@ class _RankTracking:
         super().__enter__()
         self._peak_mem = {self.device: _tally(live, self.host)}
         self._peak_mem_snap = {self.device: live}
+        self._peak_phase = "setup"
         return self
 
     def _update_peak_stats(self, peak_state: Any) -> None:
@@ -118,6 +120,7 @@ class _RankTracking:
         if live > self._peak_mem.get(self.device, -1):
             self._peak_mem[self.device] = live
             self._peak_mem_snap = {self.device: dict(snap)}
+            self._peak_phase = self.phase
         for key, value in snap.items():
             if value > self._category_max.get(key, 0):
                 self._category_max[key] = value
@@ -135,6 +138,16 @@ class _RankTracking:
                 old = winfo.reftype
                 winfo.reftype = self._ref_class.BUFFER
                 self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
+
+    def claim_gradients(self, params: list[torch.Tensor]) -> None:
+        """File the storages behind these parameters' gradients as gradients.
+
+        DDP's gradients are views into its communication buckets (allocated with the model, before any
+        step); without this the tracker would report the buckets, which are the gradients, as buffers.
+        """
+        for p in params:
+            if p.grad is not None:
+                self._update_and_maybe_create_winfos(p.grad, self._ref_class.GRAD)
 
     def over_budget_error(self) -> MemoryBudgetExceeded:
         """The budget error for a device out-of-memory (CUDA enforces the budget itself)."""
@@ -171,6 +184,7 @@ class PipelineMemTracker(RankMemoryTracker):
         self._track_resize()
         self._peak_mem = {self.device: _tally(live, self.host)}
         self._peak_mem_snap = {self.device: live}
+        self._peak_phase = "setup"
         TorchDispatchMode.__enter__(self)
         return self
 

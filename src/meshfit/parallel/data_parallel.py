@@ -1,39 +1,42 @@
 """Data parallelism over the dp_replicate × dp_shard mesh: DDP, ZeRO-1/2/3 (FSDP2), HSDP, offload, bf16.
 
-What each stage keeps resident on a rank (as torch's building blocks behave):
+What each stage keeps on a rank (N = dp_shard), all sharded state split evenly element by element:
 
-  stage 0  DDP                         full weights, full grads (+ DDP's equally large buckets), full states
-  stage 1  DDP + ZeroRedundancyOpt.    full weights, full grads (+ buckets), 1/N of the optimizer states
-  stage 2  FSDP2, reshard_after_fwd=F  1/N weights at rest; a block's full weights gathered in forward stay
-                                       until its backward; grads reduce-scattered to 1/N; 1/N states
-  stage 3  FSDP2, reshard_after_fwd=T  1/N weights; each block gathered just in time in forward and again in
-                                       backward, freed right after; 1/N grads; 1/N states
+  stage 0  DDP                          full weights, full gradients (views into DDP's buckets), full states
+  stage 1  FSDP2, reshard_after_fwd=F   weights, fp32 master weights and optimizer states 1/N between steps;
+           + no gradient sync and no    every block is gathered once per step (16-bit under mixed precision)
+           re-shard until the last      and kept until the last micro-batch's backward; gradients stay full
+           micro-batch                  (16-bit) and unsynchronised until then, reduce-scattered once
+  stage 2  FSDP2, reshard_after_fwd=F   as stage 1, but gradients are reduce-scattered to 1/N after every
+           + no re-shard until the      micro-batch's backward (fp32 shards under mixed precision)
+           last micro-batch
+  stage 3  FSDP2, reshard_after_fwd=T   each block gathered just in time in forward and again in backward,
+                                        freed right after; gradients reduce-scattered every micro-batch
 
-N is dp_shard; with dp_replicate > 1 the sharded state is replicated across dp_replicate groups (HSDP).
+With dp_replicate > 1 the sharded state is replicated across dp_replicate groups (HSDP).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.parallel.dims import Meshes, ParallelDims
 
 
 def apply_ddp(model: nn.Module, meshes: Meshes) -> nn.Module:
-    """Wrap a materialized model in DDP over the whole data-parallel group (stages 0 and 1).
+    """Wrap a materialized model in DDP over the whole data-parallel group (stage 0).
 
-    DDP keeps flat communication buckets as large as all gradients for the life of the run (allocated at
-    the first forward); the memory tracker reports them under `other`. gradient_as_bucket_view stays off:
-    with it gradients alias the buckets, and torch's tracker can no longer tell gradients apart.
+    gradient_as_bucket_view: gradients are views into DDP's flat communication buckets, so the buckets
+    are the gradients rather than a second copy of them.
     """
     device = next(model.parameters()).device
     device_ids = None if device.type == "cpu" else [device]
-    return DistributedDataParallel(model, process_group=meshes.dp.get_group(), device_ids=device_ids)
+    return DistributedDataParallel(model, process_group=meshes.dp.get_group(), device_ids=device_ids,
+                                   gradient_as_bucket_view=True)
 
 
 def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
@@ -43,23 +46,38 @@ def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
     return meshes.world["dp_shard"]
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precision: bool, offload: bool) -> None:
-    """fully_shard each transformer block, then the root (embeddings, final norm, head), on meta.
+def precision_policy(stage: int, mixed_precision: bool) -> MixedPrecisionPolicy:
+    """bf16 compute copies of the weights; gradients reduced into fp32 shards, except at stage 1.
 
-    Stage 3 frees a block's gathered weights after its forward and re-gathers them for backward; stage 2
-    keeps them until backward. Mixed precision computes with bf16 copies of the weights and reduces
-    gradients in fp32 into fp32 master weights.
+    Stage 1 accumulates full gradients across micro-batches before any reduction: they stay 16-bit (the
+    ZeRO paper's 2 bytes per parameter) and are reduced in bf16; stages 2 and 3 reduce every micro-batch
+    in fp32.
     """
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
-        else MixedPrecisionPolicy()
+    if not mixed_precision:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                reduce_dtype=torch.bfloat16 if stage == 1 else torch.float32)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precision: bool, offload: bool) -> None:
+    """fully_shard each transformer block, then the root (embeddings, final norm, head), on meta."""
     # Pinned host memory needs an accelerator; on a CPU-only build plain memory is the host memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    kwargs = dict(mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp, offload_policy=policy)
+    kwargs = dict(mesh=mesh, reshard_after_forward=stage == 3, mp_policy=precision_policy(stage, mixed_precision),
+                  offload_policy=policy)
     for block in model.layers.values():
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
 
 
-def zero1_group(meshes: Meshes) -> dist.ProcessGroup:
-    """The process group across which ZeRO-1 shards optimizer states: the dp_shard ranks."""
-    return meshes.world["dp_shard"].get_group()
+def set_micro_batch(model: nn.Module, stage: int, last: bool) -> None:
+    """Before a micro-batch's forward: what FSDP does after its backward (stages 1-3).
+
+    Stages 1 and 2 keep the gathered weights until the last micro-batch (one all-gather per step, as
+    DeepSpeed keeps its 16-bit weights); stage 1 also skips the gradient reduction until then.
+    """
+    if not isinstance(model, FSDPModule) or stage == 3:
+        return
+    model.set_reshard_after_backward(last)
+    if stage == 1:
+        model.set_requires_gradient_sync(last)

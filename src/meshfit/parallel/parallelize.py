@@ -2,7 +2,7 @@
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
 tensor parallelism (DTensor) -> activation checkpointing -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize
-(identical full weights in every layout) -> DDP for the replicated stages 0 and 1.
+(identical full weights in every layout) -> DDP for the replicated stage 0.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
                               loss_parallel=parallel.loss_parallel)
     if parallel.activation_checkpointing != "none":
         apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
-    if zero_stage >= 2:
+    if zero_stage >= 1:
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,
                    offload=parallel.offload)
     # With offload the sharded parameters live in host memory; FSDP moves gathered copies to the device.
     with materialize():
         model.to_empty(device="cpu" if parallel.offload else device)
         init_weights(model, seed, model_cfg, weights)
-        if zero_stage <= 1 and dims.dp > 1:
+        if zero_stage == 0 and dims.dp > 1:
             model = apply_ddp(model, meshes)
     return model
 

@@ -6,18 +6,17 @@ at the phase with the largest total:
 
 * ``loss``: the forward of the last micro-batch is done — every block's saved activations, the logits and
   the loss's softmax, gradients accumulated from earlier micro-batches, FSDP's gathered units.
-* ``backward end``: every gradient exists (and for DDP its equally large communication buckets).
-* ``optimizer``: gradients, states and the optimizer's temporaries.
+* ``backward end``: every gradient exists (DDP's are views into its communication buckets).
+* ``optimizer``: gradients and states (the fused AdamW step keeps no temporaries worth counting).
 
 Components (bytes), as the memory tracker folds them: ``params`` (resident weights plus gathered copies),
 ``grads`` (plus reduce-scatter buffers), ``optim``, ``activations`` (saved tensors, logits, temporaries)
-and ``buffers`` (DDP buckets, module buffers). Allocator headroom is not a tensor: the planner adds it when
+and ``buffers`` (module buffers, pipeline send/receive buffers). Allocator headroom is not a tensor: the planner adds it when
 it compares the total with a device (see :func:`usable_bytes`).
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -80,7 +79,6 @@ class _Share:
     stages: int  # stages on this rank (virtual pipeline stages)
     first: bool  # holds the embedding
     last: bool  # holds the final norm, the head and the loss
-    largest: float  # largest single parameter (per-parameter optimizer temporaries)
 
 
 def _block_params(model: ModelConfig, tp: int) -> float:
@@ -104,59 +102,27 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
         layers = sum(counts[i] for i in ids)
         first, last = 0 in ids, n_stages - 1 in ids
         root = (embed if first else 0) + ((head + final_norm) if last else 0)
-        largest = max(embed if first else 0, head if last else 0, model.ffn_hidden * model.dim / tp)
-        shares.append(_Share(layers * block + root, block, root, layers, len(ids), first, last, largest))
+        shares.append(_Share(layers * block + root, block, root, layers, len(ids), first, last))
     return tuple(shares)
-
-
-def _param_sizes(model: ModelConfig, tp: int, share: _Share) -> tuple[list[float], list[float]]:
-    """Element counts of the share's matrices and of its vectors (the optimizer's two parameter groups)."""
-    d, hd, f = model.dim, model.head_dim, model.ffn_hidden
-    if model.family == "llama":
-        mats = [model.n_heads * hd * d, model.n_kv_heads * hd * d, model.n_kv_heads * hd * d,
-                d * model.n_heads * hd, f * d, d * f, f * d]
-        vecs = [d, d]  # the two RMSNorm gains, replicated across tensor-parallel ranks
-    else:
-        mats = [d * d] * 4 + [f * d, d * f]
-        # column-parallel biases (q, k, v, MLP up) are split; row-parallel ones and the norms are not
-        vecs = [d / tp] * 3 + [f / tp] + [d] * 2 + [d] * 4
-    matrices = [m / tp for m in mats] * share.layers
-    vectors = vecs * share.layers
-    if share.first:
-        matrices.append(model.vocab_size * d / tp)
-        if model.family == "gpt":
-            matrices.append(model.max_seq_len * d)
-    if share.last:
-        if not (model.tie_embeddings and share.first):
-            matrices.append(model.vocab_size * d / tp)
-        vectors += [d] if model.family == "llama" else [d, d]
-    return matrices, vectors
-
-
-@lru_cache(maxsize=4096)
-def _zero1_most_loaded(model: ModelConfig, tp: int, share: _Share, ranks: int) -> float:
-    """Elements whose optimizer states the most-loaded rank keeps under ZeroRedundancyOptimizer.
-
-    It assigns whole parameters, largest first, each to the rank holding the fewest elements so far, one
-    parameter group (matrices, then vectors) after the other: the rank that gets the embedding can hold
-    far more than an even share.
-    """
-    sizes = [0.0] * ranks
-    heap = [(0.0, r) for r in range(ranks)]
-    for group in _param_sizes(model, tp, share):
-        for numel in sorted(group, reverse=True):
-            load, rank = heapq.heappop(heap)
-            sizes[rank] = load + numel
-            heapq.heappush(heap, (sizes[rank], rank))
-    return max(sizes)
 
 
 def _mode(workload: Workload, layout: Layout) -> str:
     if workload.precision == "fp32":
         return "fp32"
-    if workload.precision == "mixed" and layout.zero_stage <= 1:
-        return "autocast"
-    return "bf16"
+    if workload.precision == "mixed" and layout.zero_stage == 0:
+        return "autocast"  # DDP replicas: torch.autocast over fp32 weights
+    return "bf16"  # FSDP's MixedPrecisionPolicy (stages 1-3) or pure bf16
+
+
+def _reduce_bytes(workload: Workload, layout: Layout, c_bytes: int) -> int:
+    """Bytes per element of FSDP's unsharded gradients accumulated without a reduction.
+
+    Mixed precision reduces in fp32 at stages 2 and 3 (so unsynchronised gradients are kept in fp32), and
+    in the 16-bit compute dtype at stage 1 (see parallel/data_parallel.py).
+    """
+    if workload.precision == "mixed" and layout.zero_stage != 1:
+        return 4
+    return c_bytes
 
 
 def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held: int = 1,
@@ -198,27 +164,47 @@ def _activations(model: ModelConfig, layout: Layout, workload: Workload, share: 
     return checkpointed * kept + (share.layers - checkpointed) * full, full * 1.45
 
 
-def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int,
-                   foreach: bool) -> MemoryEstimate:
+@dataclass(frozen=True)
+class _States:
+    """Bytes of weights, gradients and optimizer states one rank keeps (most-loaded rank of its share)."""
+
+    params: float  # resident weights: fp32 master weights (sharded at stages 1-3)
+    grads: float  # gradients once reduced (sharded at stages 1-3)
+    optim: float
+    at_rest_grads: float  # gradients kept between steps: DDP's, which are views into its lifelong buckets
+
+
+def _states(layout: Layout, workload: Workload, n: float) -> _States:
     w_bytes, g_bytes, states = _STATE[workload.precision]
-    k_bytes = states[workload.optimizer]
+    if layout.offload:
+        return _States(0.0, 0.0, 0.0, 0.0)
+    share = layout.dp_shard if layout.zero_stage >= 1 else 1
+    grads = n * g_bytes / share
+    ddp = layout.zero_stage == 0 and layout.dp > 1
+    return _States(n * w_bytes / share, grads, n * states[workload.optimizer] / share, grads if ddp else 0.0)
+
+
+def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int
+                   ) -> MemoryEstimate:
+    phases = _phases(model, layout, workload, share, rank)
+    totals = {name: sum(parts) for name, parts in phases.items()}
+    phase = max(totals, key=totals.__getitem__)
+    return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank)
+
+
+def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int
+            ) -> dict[str, tuple[float, float, float, float, float]]:
+    """(params, grads, optim, activations, buffers) of one rank at each phase of a steady step."""
     mode = _mode(workload, layout)
     c_bytes = 4 if mode == "fp32" else 2
     stage, ds = layout.zero_stage, layout.dp_shard
     n = share.params
-    fsdp = stage >= 2
-    off = layout.offload
-    params = 0.0 if off else n * w_bytes / (ds if fsdp else 1)
-    if off:
-        optim = 0.0
-    elif stage == 1 and ds > 1:
-        optim = _zero1_most_loaded(model, layout.tp, share, ds) * k_bytes
-    else:
-        optim = n * k_bytes / (ds if stage >= 1 else 1)
-    grads_full = 0.0 if off else n * g_bytes / (ds if fsdp else 1)
-    buckets = n * g_bytes if (stage <= 1 and layout.dp > 1) else 0.0
+    fsdp = stage >= 1 and ds > 1  # FSDP2 shards over dp_shard ranks
+    keep = stage in (1, 2)  # gathered weights kept from forward to the last micro-batch's backward
+    st = _states(layout, workload, n)
+    params, optim, grads_full = st.params, st.optim, st.grads
     # RoPE's cos/sin tables (fp32, max_seq_len × head_dim each) live in every Llama stage module.
-    buckets += 2 * model.max_seq_len * model.head_dim * 4 * share.stages if model.family == "llama" else 0.0
+    buckets = 2 * model.max_seq_len * model.head_dim * 4 * share.stages if model.family == "llama" else 0.0
     tokens = workload.seq_len * layout.micro_batch
     act_mb, recompute = _activations(model, layout, workload, share, mode)
     local = workload.global_batch // layout.dp
@@ -228,6 +214,8 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     held = micro if (layout.pp > 1 and layout.schedule == "gpipe") else 1
     head = _head_bytes(model, layout, mode, tokens, held) if share.last else 0.0
     head_saved = _head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
+    # Stage 1 accumulates full, unreduced gradients until the last micro-batch (in the reduce dtype).
+    accumulated = n * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage == 1 and micro > 1) else 0.0
     if layout.pp > 1:
         per_stage = act_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
@@ -244,21 +232,23 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
         grads_loss = 0.0 if layout.schedule == "gpipe" else grads_full
     else:
         acts = act_mb + head
-        grads_loss = grads_full if micro > 1 else 0.0
-        if micro > 1 and layout.tp > 1 and not fsdp and share.last:
+        grads_loss = accumulated or (grads_full if micro > 1 else 0.0)
+        if micro > 1 and layout.tp > 1 and share.last and (stage == 0 or accumulated):
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
+            g_bytes = c_bytes if accumulated else _STATE[workload.precision][1]
             grads_loss += model.vocab_size * model.dim / layout.tp * g_bytes
+    grads_loss = max(grads_loss, st.at_rest_grads)
     gathered = gathered_loss = unit_grads = working = 0.0
-    if fsdp and ds > 1:
+    if fsdp:
         # The root unit stays gathered through forward and backward. Stage 3 holds the current block and
-        # the prefetched next one; stage 2 keeps every block from its forward to its backward, plus one
-        # all-gather buffer. In backward a block's unsharded gradients exist until reduce-scattered.
-        blocks = share.layers + 1 if stage == 2 else min(2, share.layers)
+        # the prefetched next one; stages 1 and 2 keep every block from its forward to its backward, plus
+        # one all-gather buffer. In backward a block's unsharded gradients exist until reduce-scattered.
+        blocks = share.layers + 1 if keep else min(2, share.layers)
         gathered = (share.root_params + blocks * share.block_params) * c_bytes
         # At the loss stage 3 holds the root and at most one block (the last one is re-sharded after its
         # forward; backward gathers it again).
-        gathered_loss = (share.root_params + (blocks if stage == 2 else 1) * share.block_params) * c_bytes
+        gathered_loss = (share.root_params + (blocks if keep else 1) * share.block_params) * c_bytes
         unit_grads = share.block_params * c_bytes
         if mode == "bf16":
             # Measured with 16-bit compute: either the last block's backward starts (gradient temporaries
@@ -266,12 +256,17 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
             # fp32 for the reduce-scatter; the larger of the two is the peak.
             unit_grads = share.block_params * 4
             working = tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
+        if accumulated:
+            # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
+            # being the head's weight gradient.
+            unit_grads = 0.0
+            head_weight = model.vocab_size * model.dim / layout.tp if share.last else share.block_params
+            working = max(working, head_weight * c_bytes)
         if layout.pp > 1:
             # torch's PipelineStage defers FSDP's gradient reduce-scatter and re-sharding to the end of the
             # step: after the first backward every unit stays gathered and gradients accumulate unsharded.
             gathered = gathered_loss = (share.root_params + (share.layers + 1) * share.block_params) * c_bytes
-            # FSDP2 accumulates unsynchronised gradients in the reduce dtype (fp32 under mixed precision)
-            grads_loss = n * (4 if workload.precision == "mixed" else c_bytes)
+            grads_loss = n * _reduce_bytes(workload, layout, c_bytes)
             unit_grads = working = 0.0
     # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
     # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
@@ -279,17 +274,21 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
     last_loss = tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
     block_acts = acts - head + (last_loss if share.last else 0.0)
+    # The all-gather buffer of the next block; stages 1/2 gather nothing in a step's later micro-batches.
+    spare = share.block_params * c_bytes if fsdp and not (keep and micro > 1 and layout.pp == 1) else 0.0
+    if fsdp and keep and micro > 1 and layout.pp == 1:
+        gathered_loss -= share.block_params * c_bytes
+        gathered -= share.block_params * c_bytes
     phases = {
         "loss": (params + gathered_loss, grads_loss, optim, acts, buckets),
         # The end of the forward: without mixed precision FSDP holds the root's all-gather output next to
         # its unsharded parameters, while the loss has only its saved tensors (plus the fp32 copy of
         # 16-bit logits, counted in the loss phase).
-        # (Stage 3 has re-sharded the last block; stage 2's spare all-gather buffer is free again.)
-        "forward end": (params + gathered_loss - (share.block_params * c_bytes if fsdp and ds > 1 else 0.0)
-                        + (share.root_params * c_bytes if fsdp and ds > 1 and c_bytes == 4 else 0.0),
+        # (Stage 3 has re-sharded the last block; stage 1/2's spare all-gather buffer is free again.)
+        "forward end": (params + gathered_loss - spare + (share.root_params * c_bytes if spare and c_bytes == 4 else 0.0),
                         grads_loss, optim, acts - (head - head_saved), buckets),
-        # Stage 2's extra all-gather buffer is gone once backward runs.
-        "backward": (params + gathered - (share.block_params * c_bytes if stage == 2 and ds > 1 else 0.0),
+        # Stage 1/2's extra all-gather buffer is gone once backward runs.
+        "backward": (params + gathered - (spare if keep else 0.0),
                      # With every other block checkpointed the recompute of the last block comes before
                      # any block gradient (measured); with all blocks checkpointed they overlap.
                      grads_loss + (0.0 if layout.activation_checkpointing == "selective" or working else unit_grads),
@@ -297,30 +296,55 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
         # ... and once its gradients exist, most of the last block's activations are freed.
         "block gradients": (params + gathered, grads_loss + unit_grads, optim,
                             block_acts + recompute - act_mb / max(1, share.layers), buckets),
-        "backward end": (params + (share.root_params * c_bytes if fsdp and ds > 1 else 0), grads_full, optim,
-                         0.0, buckets),
+        "backward end": (params + (share.root_params * c_bytes if fsdp else 0), grads_full, optim, 0.0, buckets),
+        # The fused AdamW step updates tensor by tensor in place: no temporaries worth counting.
+        "optimizer": (params, grads_full, optim, 0.0, buckets),
     }
-    # Optimizer temporaries: torch's foreach AdamW (GPU default) holds one list as large as the rank's
-    # parameters in the state dtype (the square roots of the second moments); the per-parameter path (CPU)
-    # one parameter's worth.
-    temp = (n / (ds if stage >= 1 else 1) if foreach else share.largest) * k_bytes / (2 if workload.optimizer == "adamw" else 1)
-    phases["optimizer"] = (params, grads_full, optim, temp if not off else 0.0, buckets)
-    totals = {name: sum(parts) for name, parts in phases.items()}
-    phase = max(totals, key=totals.__getitem__)
-    return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank)
+    if fsdp and layout.pp == 1:
+        phases["root reduce"] = _root_reduce(layout, workload, share, st, c_bytes,
+                                             # stage 3 has re-sharded the root before reducing
+                                             params + (gathered - spare if keep else 0.0),
+                                             accumulated, optim, buckets)
+    return phases
 
 
-def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, *, foreach: bool = True
-                    ) -> MemoryEstimate:
-    """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases).
+def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States, c_bytes: int, params: float,
+                 accumulated: float, optim: float, buckets: float) -> tuple[float, float, float, float, float]:
+    """The end of backward, when the root unit (embeddings, head) reduces its gradients: its unsharded
+    gradients, their copy in the reduce dtype and the reduced shard coexist with every block's sharded
+    gradients (measured with torch's tracker)."""
+    r_bytes = _reduce_bytes(workload, layout, c_bytes)
+    blocks_sharded = st.grads * (1 - share.root_params / share.params)
+    grads = accumulated or blocks_sharded + share.root_params * c_bytes
+    cast = share.root_params * r_bytes if r_bytes != c_bytes else 0.0
+    output = share.root_params * r_bytes / layout.dp_shard
+    return (params, grads, optim, cast + output, buckets)
 
-    ``foreach``: torch's multi-tensor optimizer path, the default on GPU (False for CPU runs).
-    """
-    v_shape = layout.schedule in ("zbv", "dualpipev") and layout.pp > 1
-    virtual = layout.virtual_stages if layout.pp > 1 else 1
-    shares = _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape)
+
+def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload) -> MemoryEstimate:
+    """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases)."""
+    shares = _layout_shares(model, layout, workload)
     # In-flight micro-batches fall with the pipeline rank, so the most-loaded rank is the first, the last
     # (head, logits) or the one with the most blocks; the others need not be evaluated.
     ranks = {0, len(shares) - 1, max(range(len(shares)), key=lambda r: shares[r].layers)}
-    estimates = [_rank_estimate(model, layout, workload, shares[rank], rank, foreach) for rank in sorted(ranks)]
+    estimates = [_rank_estimate(model, layout, workload, shares[rank], rank) for rank in sorted(ranks)]
     return max(estimates, key=lambda e: e.total)
+
+
+def _layout_shares(model: ModelConfig, layout: Layout, workload: Workload) -> tuple[_Share, ...]:
+    v_shape = layout.schedule in ("zbv", "dualpipev") and layout.pp > 1
+    virtual = layout.virtual_stages if layout.pp > 1 else 1
+    return _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape)
+
+
+def at_rest_bytes(model: ModelConfig, layout: Layout, workload: Workload) -> dict[str, int]:
+    """Weights, gradients and optimizer states the most-loaded rank holds between steps (bytes).
+
+    Stages 1-3 keep fp32 (master) weights and states sharded and free their gradients after the step;
+    DDP keeps a full replica and its gradient buckets. With offload the device holds none of them.
+    """
+    n = max(share.params for share in _layout_shares(model, layout, workload))
+    st = _states(layout, workload, n)
+    out = {"params": int(round(st.params)), "grads": int(round(st.at_rest_grads)), "optim": int(round(st.optim))}
+    out["total"] = sum(out.values())
+    return out

@@ -52,10 +52,12 @@ class VerifyResult:
     wall_s: float
     max_rss_bytes: int  # peak resident memory of this process
     steps: int
+    phase: str = ""  # the training phase at the peak ("forward", "backward", "optimizer step", ...)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"measured": dict(self.measured), "rank": self.rank, "stage_ids": self.stage_ids,
-                "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes, "steps": self.steps}
+        return {"measured": dict(self.measured), "phase": self.phase, "rank": self.rank,
+                "stage_ids": self.stage_ids, "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes,
+                "steps": self.steps}
 
 
 def verify_config(model: ModelConfig | str, layout: Layout, workload: Workload) -> Config:
@@ -114,14 +116,15 @@ def verify_layout(model: ModelConfig | str, layout: Layout, workload: Workload, 
         steps = max(steps, 3)
     say = progress or (lambda _msg: None)
     start = time.perf_counter()
-    best: tuple[dict[str, int], int, list[int] | None] | None = None
+    best: tuple[dict[str, int], int, list[int] | None, str] | None = None
     for measured_rank in [rank] if rank is not None else measured_ranks(layout):
-        measured, stage_ids = _steady_peak(_dry_run(cfg, world, measured_rank, steps, say, start))
+        measured, stage_ids, phase = _steady_peak(_dry_run(cfg, world, measured_rank, steps, say, start))
         if best is None or measured["total"] > best[0]["total"]:
-            best = (measured, measured_rank, stage_ids)
+            best = (measured, measured_rank, stage_ids, phase)
     assert best is not None
     return VerifyResult(measured=best[0], rank=best[1], stage_ids=best[2], wall_s=time.perf_counter() - start,
-                        max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, steps=steps)
+                        max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, steps=steps,
+                        phase=best[3])
 
 
 def _dry_run(cfg: Config, world: int, rank: int, steps: int, say: Callable[[str], None],
@@ -155,10 +158,10 @@ def _dry_run(cfg: Config, world: int, rank: int, steps: int, say: Callable[[str]
         return peaks
 
 
-def _steady_peak(peaks: list[dict[str, Any]]) -> tuple[dict[str, int], list[int] | None]:
+def _steady_peak(peaks: list[dict[str, Any]]) -> tuple[dict[str, int], list[int] | None, str]:
     steady = peaks[1:] or peaks
     best = max(reversed(steady), key=lambda p: p["peak"])  # ties: the latest step (settled buffers)
     measured = {name: int(best[name]) for name in ("params", "grads", "optim", "activations")}
     measured["buffers"] = int(best["other"])
     measured["total"] = int(best["peak"])
-    return measured, best["stages"]
+    return measured, best["stages"], best["phase"]

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshfit.config import Config
 from meshfit.train import checkpoint_store as store
@@ -33,11 +32,6 @@ from meshfit.train.checkpoint_store import CheckpointError
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # A pipeline rank's model is a ModuleList of its stages: names start with the stage's index in that list.
 _STAGE_PREFIX = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
-
-
-def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    # ZeRO-1 keeps this rank's share of the states in a plain optimizer over the parameters it owns.
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def _plain_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -50,7 +44,7 @@ def _plain_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]
 
 def _model_state(run: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     """Model and optimizer state dicts under the whole model's parameter names, and the map back."""
-    model_sd, optim_sd = get_state_dict(run.model, _local_optimizer(run.optimizer), options=_OPTIONS)
+    model_sd, optim_sd = get_state_dict(run.model, run.optimizer, options=_OPTIONS)
     if run.pipe is None:
         return model_sd, optim_sd, {}
     model_sd, back_m = _plain_names(model_sd)
@@ -216,7 +210,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {folder} cannot be loaded into this run: {_first_line(exc)}") from exc
         model_sd = {back.get(k, k): v for k, v in state["model"].items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
-        set_state_dict(run.model, _local_optimizer(run.optimizer), model_state_dict=model_sd,
+        set_state_dict(run.model, run.optimizer, model_state_dict=model_sd,
                        optim_state_dict=optim_sd, options=_OPTIONS)
         train = state["train"]
         run.scheduler.load_state_dict(train["scheduler"])

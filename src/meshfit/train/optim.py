@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshfit.config import TrainSection
 
 
-def build_optimizer(model: nn.Module, train: TrainSection, zero1_group: Any = None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
     """AdamW; weight decay only on matrices (norm gains, biases and 1-D tensors are not decayed).
 
-    With `zero1_group` (ZeRO-1) torch's ZeroRedundancyOptimizer keeps the states of only this rank's share
-    of the parameters and broadcasts the updated parameters after each step.
+    Sharded layouts (ZeRO-1/2/3) hold DTensor shards here, so the states are sharded with them. The fused
+    implementation updates each tensor in one kernel: torch's multi-tensor (foreach) default would keep
+    a temporary as large as all the rank's parameters during step().
     """
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # torch's default implementation choice: multi-tensor (foreach) on GPU, per-parameter on CPU. The
-    # foreach path keeps a temporary the size of all parameters during step(); the tracker counts it.
-    kwargs = dict(lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
-    if zero1_group is not None:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                       **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

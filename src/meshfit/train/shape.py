@@ -70,7 +70,7 @@ def _check_tp(cfg: Config, dims: ParallelDims, stage: int, model: ModelConfig) -
             if getattr(par, flag):
                 raise ConfigError(f"parallel.{flag}=true needs tensor parallelism (parallel.tp > 1)")
         return
-    if dims.dp > 1 and (stage < 2 or dims.dp_replicate > 1):
+    if dims.dp > 1 and stage == 0:
         raise ConfigError(
             f"parallel.tp={dims.tp} with data parallelism needs sharded data parallelism: use parallel.dp_shard "
             "with zero_stage 2 or 3 (DDP, ZeRO-1 and HSDP replicas do not take tensor-parallel weights)"

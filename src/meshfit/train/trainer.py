@@ -29,7 +29,7 @@ from meshfit.data import TokenBatches, make_source
 from meshfit.memory.tracker import limit_cuda_memory, make_tracker
 from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
-from meshfit.parallel.data_parallel import zero1_group
+from meshfit.parallel.data_parallel import set_micro_batch
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
@@ -79,7 +79,7 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
         model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
                             device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize)
-    optimizer = build_optimizer(model, cfg.train, zero1_group(meshes) if shape.zero_stage == 1 else None)
+    optimizer = build_optimizer(model, cfg.train)
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
                          seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
                          cache_dir=str(run_dir) if run_dir else None)
@@ -107,8 +107,8 @@ def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | 
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager:
-    # FSDP (stages 2, 3) computes in bf16 through its own parameter casting; replicas use autocast.
-    if run.shape.mixed_precision and run.shape.zero_stage <= 1:
+    # FSDP (stages 1-3) computes in bf16 through its own parameter casting; DDP replicas use autocast.
+    if run.shape.mixed_precision and run.shape.zero_stage == 0:
         return torch.autocast(run.env.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -117,6 +117,7 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     """Forward and backward of one micro-batch; returns its mean loss (detached)."""
     no_sync = getattr(run.model, "no_sync", None)
     ctx = contextlib.nullcontext() if (sync or no_sync is None) else no_sync()
+    set_micro_batch(run.model, run.shape.zero_stage, last=sync)
     with ctx:
         run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
         run.tracker.phase = "forward"
@@ -132,16 +133,25 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     return loss.detach()
 
 
+def _ddp(run: Run) -> bool:
+    return run.shape.zero_stage == 0 and run.shape.dims.dp > 1
+
+
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None) -> torch.Tensor:
     run.tracker.phase = "optimizer step"
     pp_group = run.pipe.group if run.pipe else None
     local_ok = guard.locally_finite(losses) if guard is not None else True
-    grad_norm = clip_grad_norm(list(run.model.parameters()), run.cfg.train.grad_clip, pp_group)
+    params = list(run.model.parameters())
+    if _ddp(run):
+        run.tracker.claim_gradients(params)
+    grad_norm = clip_grad_norm(params, run.cfg.train.grad_clip, pp_group)
     if guard is not None and not guard.allow_step(local_ok, grad_norm):
         return grad_norm  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
     run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    # DDP's gradients are views into its buckets: zeroing them in place keeps them so (the next
+    # micro-batches accumulate into the buckets); freeing them would add a second copy next to the buckets.
+    run.optimizer.zero_grad(set_to_none=not _ddp(run))
     return grad_norm
 
 
