@@ -20,7 +20,8 @@ MIXED = Workload(seq_len=128, global_batch=8, precision="mixed")
 
 KINDS = {
     "ddp": (Layout(dp_replicate=4), FP32),
-    "zero1": (Layout(dp_shard=4, zero_stage=1), FP32),
+    "zero1": (Layout(dp_shard=4, zero_stage=1), MIXED),
+    "zero1-tp": (Layout(dp_shard=2, tp=2, zero_stage=1, sp=True), MIXED),
     "zero2": (Layout(dp_shard=4, zero_stage=2), MIXED),
     "zero3": (Layout(dp_shard=8, zero_stage=3), MIXED),
     "zero3-ac": (Layout(dp_shard=8, zero_stage=3, activation_checkpointing="full"), FP32),

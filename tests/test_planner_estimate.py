@@ -76,13 +76,12 @@ def test_sharding_and_splitting_shrink_the_most_loaded_rank():
     model, wl = get_preset("llama3-8b"), Workload(seq_len=4096, global_batch=128)
     ddp = estimate_memory(model, Layout(dp_replicate=64), wl)
     zero = [estimate_memory(model, Layout(dp_shard=64, zero_stage=s), wl) for s in (1, 2, 3)]
-    # Each stage shards one more kind of state; ZeRO-3 also gathers only two blocks at a time.
-    assert ddp.optim == pytest.approx(64 * zero[1].optim, rel=1e-6)
-    # ZeRO-1 (torch's ZeroRedundancyOptimizer) assigns whole parameters: the rank given the 128k × 4096
-    # embedding holds its AdamW states, more than an even 1/64.
-    assert zero[0].optim == pytest.approx(model.vocab_size * model.dim * 8, rel=1e-6)
-    assert zero[0].optim > ddp.optim / 64
-    assert zero[1].grads < zero[0].grads and zero[2].params < zero[1].params
+    # Every stage shards the optimizer states evenly, element by element (the embedding included).
+    for z in zero:
+        assert ddp.optim == pytest.approx(64 * z.optim, rel=1e-6)
+    # ZeRO-1 holds full 16-bit gradients until the last micro-batch; ZeRO-2 reduces them after each;
+    # ZeRO-3 also gathers only two blocks at a time.
+    assert zero[1].grads < zero[0].grads and zero[2].params < zero[1].params == zero[0].params
     assert ddp.total > zero[0].total > zero[1].total > zero[2].total
     full = estimate_memory(model, Layout(dp_shard=64, zero_stage=3, activation_checkpointing="full"), wl)
     assert full.activations < zero[2].activations / 3  # the 128k-vocabulary logits stay

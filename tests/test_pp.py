@@ -47,9 +47,10 @@ def test_pipeline_with_sharded_data_parallel(zero):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-def test_3d_pipeline_fsdp_tensor_parallel_eight_ranks():
+def test_3d_pipeline_zero1_tensor_parallel_eight_ranks():
+    # Megatron's standard layout: TP × PP × data parallelism with sharded optimizer states (ZeRO-1).
     ranks = run_ranks(train_job, 8, parity_config(FOUR_LAYERS, "parallel.pp=2", "parallel.dp_shard=2",
-                                                  "parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true",
+                                                  "parallel.zero_stage=1", "parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true",
                                                   "pipeline.schedule=interleaved-1f1b"), timeout_s=380)
     _check_parity(ranks[0])
     # Per-stage memory: every rank reports its own stages; peak_mem_bytes is the most-loaded one.

@@ -39,9 +39,26 @@ def test_tp_parity(family, mode):
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
-def test_2d_tp_with_zero3_parity():
-    ranks = run_ranks(train_job, 4, parity_config("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
-                                                  "parallel.sp=true", "parallel.loss_parallel=true"))
+# Every data-parallel kind composes with tensor parallelism on one mesh (4 ranks: dp 2 × tp 2).
+DP_KINDS = {
+    "ddp": ["parallel.dp_replicate=2"],
+    "zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1", "train.micro_batch=2"],
+    "zero3": ["parallel.dp_shard=2", "parallel.zero_stage=3"],
+}
+
+
+@pytest.mark.parametrize("kind", DP_KINDS)
+def test_2d_tp_with_data_parallel_parity(kind):
+    ranks = run_ranks(train_job, 4, parity_config("parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true",
+                                                  *DP_KINDS[kind]))
+    assert _max_delta(ranks[0]["losses"], reference("llama")["losses"]) <= 1e-5
+    assert _max_delta(ranks[0]["grad_norms"], reference("llama")["grad_norms"]) <= 1e-5
+
+
+@pytest.mark.timeout(400)
+def test_hsdp_with_tp_eight_ranks_parity():
+    ranks = run_ranks(train_job, 8, parity_config("parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+                                                  "parallel.zero_stage=3", "parallel.sp=true"), timeout_s=380)
     assert _max_delta(ranks[0]["losses"], reference("llama")["losses"]) <= 1e-5
     assert _max_delta(ranks[0]["grad_norms"], reference("llama")["grad_norms"]) <= 1e-5
 
@@ -71,7 +88,5 @@ def test_tp_validation_lists_valid_degrees():
         resolve_run(load_config(None, ["parallel.tp=4"]), 4)
     with pytest.raises(ConfigError, match="train.seq_len=63"):
         resolve_run(load_config(None, ["parallel.tp=2", "parallel.sp=true", "train.seq_len=63"]), 2)
-    with pytest.raises(ConfigError, match="dp_shard"):
-        resolve_run(load_config(None, ["parallel.tp=2", "parallel.dp_replicate=2"]), 4)
     with pytest.raises(ConfigError, match="parallel.sp=true needs tensor parallelism"):
         resolve_run(load_config(None, ["parallel.sp=true"]), 1)

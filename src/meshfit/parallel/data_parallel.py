@@ -40,7 +40,8 @@ def apply_ddp(model: nn.Module, meshes: Meshes) -> nn.Module:
 
 
 def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
-    """1-D mesh over dp_shard (FSDP), or the 2-D (dp_replicate, dp_shard) mesh (HSDP)."""
+    """1-D mesh over dp_shard (FSDP), or the 2-D (dp_replicate, dp_shard) mesh (HSDP; with dp_shard = 1,
+    replicas)."""
     if dims.dp_replicate > 1:
         return meshes.world["dp_replicate", "dp_shard"]
     return meshes.world["dp_shard"]
@@ -63,7 +64,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     """fully_shard each transformer block, then the root (embeddings, final norm, head), on meta."""
     # Pinned host memory needs an accelerator; on a CPU-only build plain memory is the host memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    kwargs = dict(mesh=mesh, reshard_after_forward=stage == 3, mp_policy=precision_policy(stage, mixed_precision),
+    # Stage 0 (replicas of tensor-parallel weights): the gathered compute copies are freed after each
+    # block, as at stage 3; the "shards" are whole.
+    kwargs = dict(mesh=mesh, reshard_after_forward=stage in (0, 3), mp_policy=precision_policy(stage, mixed_precision),
                   offload_policy=policy)
     for block in model.layers.values():
         fully_shard(block, **kwargs)
@@ -76,7 +79,7 @@ def set_micro_batch(model: nn.Module, stage: int, last: bool) -> None:
     Stages 1 and 2 keep the gathered weights until the last micro-batch (one all-gather per step, as
     DeepSpeed keeps its 16-bit weights); stage 1 also skips the gradient reduction until then.
     """
-    if not isinstance(model, FSDPModule) or stage == 3:
+    if not isinstance(model, FSDPModule) or stage in (0, 3):
         return
     model.set_reshard_after_backward(last)
     if stage == 1:

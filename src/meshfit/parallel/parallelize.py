@@ -18,6 +18,7 @@ from meshfit.models import ModelConfig, init_weights
 from meshfit.parallel.activation import apply_activation_checkpointing
 from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
+from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -36,14 +37,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
                               loss_parallel=parallel.loss_parallel)
     if parallel.activation_checkpointing != "none":
         apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
-    if zero_stage >= 1:
+    kind = data_parallel_kind(zero_stage, dims.dp, dims.tp)
+    # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
+    if kind in ("fsdp", "replicas"):
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,
                    offload=parallel.offload)
     # With offload the sharded parameters live in host memory; FSDP moves gathered copies to the device.
     with materialize():
         model.to_empty(device="cpu" if parallel.offload else device)
         init_weights(model, seed, model_cfg, weights)
-        if zero_stage == 0 and dims.dp > 1:
+        if kind == "ddp":
             model = apply_ddp(model, meshes)
     return model
 

@@ -27,6 +27,7 @@ from meshfit.planner.activations import (
     checkpointed_block_bytes,
 )
 from meshfit.planner.layout import Layout, Workload
+from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.memory import pipeline_in_flight_microbatches
 
@@ -106,12 +107,16 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
     return tuple(shares)
 
 
+def _kind(layout: Layout) -> str:
+    return data_parallel_kind(layout.zero_stage, layout.dp, layout.tp)
+
+
 def _mode(workload: Workload, layout: Layout) -> str:
     if workload.precision == "fp32":
         return "fp32"
-    if workload.precision == "mixed" and layout.zero_stage == 0:
-        return "autocast"  # DDP replicas: torch.autocast over fp32 weights
-    return "bf16"  # FSDP's MixedPrecisionPolicy (stages 1-3) or pure bf16
+    if workload.precision == "mixed" and _kind(layout) in ("none", "ddp"):
+        return "autocast"  # plain and DDP replicas: torch.autocast over fp32 weights
+    return "bf16"  # FSDP's MixedPrecisionPolicy or pure bf16
 
 
 def _reduce_bytes(workload: Workload, layout: Layout, c_bytes: int) -> int:
@@ -180,7 +185,7 @@ def _states(layout: Layout, workload: Workload, n: float) -> _States:
         return _States(0.0, 0.0, 0.0, 0.0)
     share = layout.dp_shard if layout.zero_stage >= 1 else 1
     grads = n * g_bytes / share
-    ddp = layout.zero_stage == 0 and layout.dp > 1
+    ddp = _kind(layout) == "ddp"
     return _States(n * w_bytes / share, grads, n * states[workload.optimizer] / share, grads if ddp else 0.0)
 
 
@@ -199,7 +204,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     c_bytes = 4 if mode == "fp32" else 2
     stage, ds = layout.zero_stage, layout.dp_shard
     n = share.params
-    fsdp = stage >= 1 and ds > 1  # FSDP2 shards over dp_shard ranks
+    # FSDP2 keeps gathered compute copies: sharding over dp_shard ranks, or replicas of TP weights.
+    fsdp = (stage >= 1 and ds > 1) or _kind(layout) == "replicas"
     keep = stage in (1, 2)  # gathered weights kept from forward to the last micro-batch's backward
     st = _states(layout, workload, n)
     params, optim, grads_full = st.params, st.optim, st.grads
@@ -233,7 +239,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     else:
         acts = act_mb + head
         grads_loss = accumulated or (grads_full if micro > 1 else 0.0)
-        if micro > 1 and layout.tp > 1 and share.last and (stage == 0 or accumulated):
+        if micro > 1 and layout.tp > 1 and share.last and (_kind(layout) == "none" or accumulated):
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
             g_bytes = c_bytes if accumulated else _STATE[workload.precision][1]
@@ -242,13 +248,15 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     gathered = gathered_loss = unit_grads = working = 0.0
     if fsdp:
         # The root unit stays gathered through forward and backward. Stage 3 holds the current block and
-        # the prefetched next one; stages 1 and 2 keep every block from its forward to its backward, plus
-        # one all-gather buffer. In backward a block's unsharded gradients exist until reduce-scattered.
-        blocks = share.layers + 1 if keep else min(2, share.layers)
-        gathered = (share.root_params + blocks * share.block_params) * c_bytes
+        # the prefetched next one; stages 1 and 2 keep every block from its forward to its backward. In
+        # backward a block's unsharded gradients exist until reduce-scattered.
+        blocks = share.layers if keep else min(2, share.layers)
+        # Replicas in fp32 compute on their whole "shards": FSDP2 gathers no copies.
+        copies = 0.0 if (_kind(layout) == "replicas" and c_bytes == 4) else 1.0
+        gathered = (share.root_params + blocks * share.block_params) * c_bytes * copies
         # At the loss stage 3 holds the root and at most one block (the last one is re-sharded after its
         # forward; backward gathers it again).
-        gathered_loss = (share.root_params + (blocks if keep else 1) * share.block_params) * c_bytes
+        gathered_loss = (share.root_params + (blocks if keep else 1) * share.block_params) * c_bytes * copies
         unit_grads = share.block_params * c_bytes
         if mode == "bf16":
             # Measured with 16-bit compute: either the last block's backward starts (gradient temporaries
@@ -274,21 +282,17 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
     last_loss = tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
     block_acts = acts - head + (last_loss if share.last else 0.0)
-    # The all-gather buffer of the next block; stages 1/2 gather nothing in a step's later micro-batches.
-    spare = share.block_params * c_bytes if fsdp and not (keep and micro > 1 and layout.pp == 1) else 0.0
-    if fsdp and keep and micro > 1 and layout.pp == 1:
-        gathered_loss -= share.block_params * c_bytes
-        gathered -= share.block_params * c_bytes
+    # Stage 3: the all-gather buffer of the next block, and without mixed precision the root's all-gather
+    # output next to its unsharded parameters at the end of the forward (measured).
+    spare = share.block_params * c_bytes if fsdp and not keep and gathered else 0.0
+    root_copy = share.root_params * c_bytes if spare and c_bytes == 4 else 0.0
     phases = {
         "loss": (params + gathered_loss, grads_loss, optim, acts, buckets),
-        # The end of the forward: without mixed precision FSDP holds the root's all-gather output next to
-        # its unsharded parameters, while the loss has only its saved tensors (plus the fp32 copy of
-        # 16-bit logits, counted in the loss phase).
-        # (Stage 3 has re-sharded the last block; stage 1/2's spare all-gather buffer is free again.)
-        "forward end": (params + gathered_loss - spare + (share.root_params * c_bytes if spare and c_bytes == 4 else 0.0),
-                        grads_loss, optim, acts - (head - head_saved), buckets),
-        # Stage 1/2's extra all-gather buffer is gone once backward runs.
-        "backward": (params + gathered - (spare if keep else 0.0),
+        # The end of the forward: the loss has only its saved tensors (plus the fp32 copy of 16-bit
+        # logits, counted in the loss phase); stage 3 has re-sharded the last block.
+        "forward end": (params + gathered_loss - spare + root_copy, grads_loss, optim, acts - (head - head_saved),
+                        buckets),
+        "backward": (params + gathered,
                      # With every other block checkpointed the recompute of the last block comes before
                      # any block gradient (measured); with all blocks checkpointed they overlap.
                      grads_loss + (0.0 if layout.activation_checkpointing == "selective" or working else unit_grads),
@@ -300,10 +304,19 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # The fused AdamW step updates tensor by tensor in place: no temporaries worth counting.
         "optimizer": (params, grads_full, optim, 0.0, buckets),
     }
+    if fsdp and layout.pp == 1 and share.last and not accumulated:
+        # The head's backward: its weight gradient (compute dtype, unsharded) next to every saved tensor;
+        # stage 3 has not gathered the last block again yet. In fp32 one logits-sized fp32 tensor of the
+        # loss is gone by then (measured with torch's tracker on the `small` preset, vocabulary 8192).
+        head_grad = model.vocab_size * model.dim / layout.tp * c_bytes
+        freed = tokens * vocab * 4 if c_bytes == 4 else 0.0
+        held_params = params + (gathered_loss if keep else share.root_params * c_bytes)
+        phases["head backward"] = (held_params, grads_loss, optim, block_acts + head_grad - freed, buckets)
     if fsdp and layout.pp == 1:
         phases["root reduce"] = _root_reduce(layout, workload, share, st, c_bytes,
-                                             # stage 3 has re-sharded the root before reducing
-                                             params + (gathered - spare if keep else 0.0),
+                                             # Stage 3 re-shards the root before reducing; stages 1/2 keep
+                                             # every unit gathered when later micro-batches reused them.
+                                             params + (gathered if keep and micro > 1 else 0.0),
                                              accumulated, optim, buckets)
     return phases
 

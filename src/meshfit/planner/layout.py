@@ -69,8 +69,6 @@ class Layout:
                              f"valid: {', '.join(AC_MODES)}")
         if (self.sp or self.loss_parallel) and self.tp == 1:
             raise ValueError("layout sp / loss_parallel need tp > 1")
-        if self.tp > 1 and self.dp > 1 and self.zero_stage == 0:
-            raise ValueError("layout tp > 1 with data parallelism needs dp_shard with zero_stage 2 or 3")
         if self.schedule not in SCHEDULE_VIRTUAL:
             raise ValueError(f"layout schedule={self.schedule!r}; valid: {', '.join(SCHEDULE_VIRTUAL)}")
         fixed = SCHEDULE_VIRTUAL[self.schedule]

@@ -63,18 +63,13 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
     return plan, micro
 
 
-def _check_tp(cfg: Config, dims: ParallelDims, stage: int, model: ModelConfig) -> None:
+def _check_tp(cfg: Config, dims: ParallelDims, model: ModelConfig) -> None:
     par = cfg.parallel
     if dims.tp == 1:
         for flag in ("sp", "loss_parallel"):
             if getattr(par, flag):
                 raise ConfigError(f"parallel.{flag}=true needs tensor parallelism (parallel.tp > 1)")
         return
-    if dims.dp > 1 and stage == 0:
-        raise ConfigError(
-            f"parallel.tp={dims.tp} with data parallelism needs sharded data parallelism: use parallel.dp_shard "
-            "with zero_stage 2 or 3 (DDP, ZeRO-1 and HSDP replicas do not take tensor-parallel weights)"
-        )
     error = tp_degree_error(model, dims.tp, cfg.train.seq_len, par.sp)
     if error:
         raise ConfigError(error)
@@ -150,7 +145,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     else:
         local, micro, accum = _batch_shape(cfg, dims, cfg.train.micro_batch)
     stage = _zero_stage(cfg, dims)
-    _check_tp(cfg, dims, stage, model)
+    _check_tp(cfg, dims, model)
     mixed = cfg.parallel.mixed_precision or cfg.train.precision == "bf16"
     return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum, zero_stage=stage,
                     mixed_precision=mixed, stages=stages, microbatches=microbatches)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -107,8 +109,8 @@ def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | 
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager:
-    # FSDP (stages 1-3) computes in bf16 through its own parameter casting; DDP replicas use autocast.
-    if run.shape.mixed_precision and run.shape.zero_stage == 0:
+    # FSDP computes in bf16 through its own parameter casting; DDP replicas use autocast.
+    if run.shape.mixed_precision and not _fsdp(run):
         return torch.autocast(run.env.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -133,8 +135,14 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     return loss.detach()
 
 
+def _fsdp(run: Run) -> bool:
+    modules = list(run.model) if run.pipe is not None else [run.model]
+    return any(isinstance(m, FSDPModule) for m in modules)
+
+
 def _ddp(run: Run) -> bool:
-    return run.shape.zero_stage == 0 and run.shape.dims.dp > 1
+    return isinstance(run.model, DistributedDataParallel) or (
+        run.pipe is not None and any(isinstance(m, DistributedDataParallel) for m in run.model))
 
 
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None) -> torch.Tensor:
