@@ -98,9 +98,16 @@ def test_plan_json_schema_and_bad_flags():
     assert doc["model"]["params"] == 8_030_261_248 and doc["evaluated"] >= 1000
     cand = doc["candidates"][0]
     assert set(cand) >= {"layout", "fits", "memory", "step_time_s", "tokens_per_s", "mfu", "why"}
-    assert set(cand["memory"]) == {"params", "grads", "optim", "activations", "buffers", "total"}
+    assert set(cand["memory"]) == {"params", "grads", "optim", "activations", "buffers", "total", "at_rest"}
     assert cand["memory"]["total"] == sum(cand["memory"][k] for k in ("params", "grads", "optim", "activations",
                                                                        "buffers"))
+    rest = cand["memory"]["at_rest"]
+    assert rest["total"] == rest["params"] + rest["grads"] + rest["optim"] <= cand["memory"]["total"]
+    # DDP on 16 GPUs: a full fp32 replica, its gradient buckets and AdamW's two moments, 16 bytes/param.
+    ddp = meshfit("plan", "--model", "llama3-8b", "--nodes", "2", "--seq-len", "4096", "--json",
+                  "--layout", "dp_replicate=16")
+    rest = json.loads(ddp.stdout)["candidates"][0]["memory"]["at_rest"]
+    assert rest["total"] == 16 * 8_030_261_248
     bad = meshfit("plan", "--model", "llama3-8b", "--layout", "dp_shard=16,zero_stage=5", "--nodes", "2")
     assert bad.returncode == 2 and "zero_stage=5 must be 0, 1, 2 or 3" in bad.stderr
     bad = meshfit("plan", "--model", "llama3-9b")

@@ -57,6 +57,8 @@ class MemoryEstimate:
     buffers: float
     phase: str  # the phase of the peak
     pp_rank: int = 0  # pipeline rank of the most-loaded stage
+    # Weights, gradients and optimizer states this rank holds between steps (see at_rest_dict).
+    rest: tuple[float, float, float] = (0.0, 0.0, 0.0)
     total: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +67,14 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, int]:
         out = {name: int(round(getattr(self, name))) for name in COMPONENTS}
+        out["total"] = sum(out.values())
+        return out
+
+    def at_rest_dict(self) -> dict[str, int]:
+        """Bytes held between steps: stages 1-3 keep fp32 (master) weights and states sharded and free
+        their gradients after the step; DDP keeps a full replica and its gradient buckets; with offload
+        the device holds none of them."""
+        out = {name: int(round(value)) for name, value in zip(("params", "grads", "optim"), self.rest, strict=True)}
         out["total"] = sum(out.values())
         return out
 
@@ -194,7 +204,8 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     phases = _phases(model, layout, workload, share, rank)
     totals = {name: sum(parts) for name, parts in phases.items()}
     phase = max(totals, key=totals.__getitem__)
-    return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank)
+    st = _states(layout, workload, share.params)
+    return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank, rest=(st.params, st.at_rest_grads, st.optim))
 
 
 def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int
@@ -348,16 +359,3 @@ def _layout_shares(model: ModelConfig, layout: Layout, workload: Workload) -> tu
     v_shape = layout.schedule in ("zbv", "dualpipev") and layout.pp > 1
     virtual = layout.virtual_stages if layout.pp > 1 else 1
     return _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape)
-
-
-def at_rest_bytes(model: ModelConfig, layout: Layout, workload: Workload) -> dict[str, int]:
-    """Weights, gradients and optimizer states the most-loaded rank holds between steps (bytes).
-
-    Stages 1-3 keep fp32 (master) weights and states sharded and free their gradients after the step;
-    DDP keeps a full replica and its gradient buckets. With offload the device holds none of them.
-    """
-    n = max(share.params for share in _layout_shares(model, layout, workload))
-    st = _states(layout, workload, n)
-    out = {"params": int(round(st.params)), "grads": int(round(st.at_rest_grads)), "optim": int(round(st.optim))}
-    out["total"] = sum(out.values())
-    return out

@@ -37,7 +37,8 @@ class Candidate:
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout.to_dict(), "description": self.layout.describe(), "fits": self.fits,
-                "memory": self.memory.as_dict(), "peak_phase": self.memory.phase,
+                "memory": {**self.memory.as_dict(), "at_rest": self.memory.at_rest_dict()},
+                "peak_phase": self.memory.phase,
                 "step_time_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
                 "time": {k: getattr(self.time, k) for k in ("compute_s", "recompute_s", "tp_comm_s", "dp_comm_s",
                                                             "pp_comm_s", "bubble_s", "offload_s", "optimizer_s")},
@@ -105,20 +106,17 @@ def _pipelines(model: ModelConfig, pp: int, micro: int) -> Iterator[tuple[str, i
             yield schedule, virtual
 
 
-def _data_parallel(dp: int, tp: int) -> Iterator[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, zero_stage) choices for ``dp`` data-parallel ranks."""
+def _data_parallel(dp: int) -> Iterator[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero_stage) choices for ``dp`` data-parallel ranks (any tp and pp)."""
     if dp == 1:
         yield 1, 1, 0
         yield 1, 1, 3  # FSDP on one rank: only matters with offload
         return
-    if tp == 1:
-        yield dp, 1, 0  # DDP
-        yield 1, dp, 1  # ZeRO-1
-    yield 1, dp, 2
-    yield 1, dp, 3
-    if tp == 1:
-        for shard in _divisors(dp)[1:-1]:  # HSDP: shard within groups, replicate across them
-            yield dp // shard, shard, 3
+    yield dp, 1, 0  # DDP (replicas of tensor-parallel weights with tp > 1)
+    for stage in (1, 2, 3):
+        yield 1, dp, stage
+    for shard in _divisors(dp)[1:-1]:  # HSDP: shard within groups, replicate across them
+        yield dp // shard, shard, 3
 
 
 def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, *,
@@ -139,7 +137,7 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
                 if local % mb:
                     continue
                 for schedule, virtual in _pipelines(model, pp, local // mb):
-                    for rep, shard, stage in _data_parallel(dp, tp):
+                    for rep, shard, stage in _data_parallel(dp):
                         for offload in ((False, True) if stage >= 2 else (False,)):
                             if dp == 1 and stage == 3 and not offload:
                                 continue

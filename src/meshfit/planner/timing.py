@@ -32,12 +32,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
     from meshfit.planner.hardware import Cluster
-    from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.layout import Layout, Workload
 
 # Achievable fraction of the peak FLOP/s for a whole training step's matmuls and attention. Public large
 # runs report 35–55% MFU in bf16 on A100/H100 (e.g. Megatron-LM, Narayanan et al. 2021: 52% on A100).
@@ -172,34 +173,38 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
              recompute_s: float, cbytes: int, sbytes: int, overlap: float) -> tuple[float, int, int]:
     """(exposed data-parallel seconds, parameter gathers per step, gradient reductions per step).
 
-    DDP (stages 0/1) all-reduces the gradients once, during the last micro-batch's backward (no_sync
-    before); ZeRO-1 then all-gathers the updated parameters after the step, exposed. FSDP (stages 2/3)
-    gathers each block's weights in the compute dtype and reduce-scatters the gradients every micro-batch;
-    stage 3 gathers again for backward; HSDP all-reduces the reduced shard across replicas. Under a
-    pipeline schedule torch's stages skip the gradient sync and the post-backward reshard until the
-    step's end, so gradients are reduced once, exposed, and stage 2 gathers once per step, stage 3 once
-    per warm-up forward (min(p, m)) and once per backward.
+    DDP (stage 0) all-reduces the gradients once, during the last micro-batch's backward (no_sync before).
+    FSDP gathers each block's weights in the compute dtype and reduce-scatters its gradients: stage 3
+    gathers for every forward and backward and reduces every micro-batch; stage 2 keeps the gathered
+    weights for the whole step (one gather) and reduces every micro-batch; stage 1 also reduces once per
+    step, in the compute dtype. HSDP all-reduces the reduced shard across replicas; stage-0 replicas of
+    tensor-parallel weights all-reduce every micro-batch. Under a pipeline schedule torch's stages skip
+    the gradient sync and the post-backward reshard until the step's end, so gradients are reduced once,
+    exposed, and stages 1/2 gather once per step, stage 3 once per warm-up forward (min(p, m)) and once per
+    backward.
     """
     tp, shard, replicate = layout.tp, layout.dp_shard, layout.dp_replicate
-    if layout.zero_stage <= 1:
+    kind = data_parallel_kind(layout.zero_stage, layout.dp, tp)
+    if kind in ("none", "ddp"):
         grads = rank_params * sbytes
         backward_last = ((compute_s - recompute_s) * 2.0 / 3.0 + recompute_s) / m
         t = _ring(layout.dp, grads, _link(cluster, tp, layout.dp), 2, math.ceil(grads / DDP_BUCKET_BYTES))
-        exposed = max(0.0, t - overlap * backward_last)
-        if layout.zero_stage == 1:
-            exposed += _ring(shard, grads, _link(cluster, tp, shard))
-        return exposed, 0, 0
+        return max(0.0, t - overlap * backward_last), 0, 0
     calls = blocks + 1  # one gather/reduction per block plus the root module (embeddings, norm, head)
     shard_link = _link(cluster, tp, shard)
-    gather = _ring(shard, rank_params * cbytes, shard_link, calls=calls)
-    reduce = (_ring(shard, rank_params * sbytes, shard_link, calls=calls)
-              + _ring(replicate, rank_params * sbytes / shard, _link(cluster, tp * shard, replicate), 2, calls))
+    gather = _ring(shard, rank_params * cbytes, shard_link, calls=calls) if kind == "fsdp" else 0.0
+    rbytes = cbytes if layout.zero_stage == 1 else sbytes
+    reduce = (_ring(shard, rank_params * rbytes, shard_link, calls=calls)
+              + _ring(replicate, rank_params * rbytes / shard, _link(cluster, tp * shard, replicate), 2, calls))
     if layout.pp == 1:
-        gathers, reductions = m * (2 if layout.zero_stage == 3 else 1), m
+        gathers = 2 * m if layout.zero_stage in (0, 3) else 1
+        reductions = 1 if layout.zero_stage == 1 else m
         hidden, fixed = gathers * gather + reductions * reduce, 0.0
     else:
-        gathers, reductions = (m + min(layout.pp, m)) if layout.zero_stage == 3 else 1, 1
+        gathers, reductions = (m + min(layout.pp, m)) if layout.zero_stage in (0, 3) else 1, 1
         hidden, fixed = gathers * gather, reduce
+    if kind == "replicas":
+        gathers = 0  # the weights are whole: only compute-dtype casts, no communication
     return max(0.0, hidden - overlap * compute_s) + fixed, gathers, reductions
 
 
