@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 
 _PARTS = (("params", "parameters", "#4c72b0"), ("grads", "gradients", "#dd8452"),
           ("optim", "optimizer states", "#55a868"), ("activations", "activations", "#c44e52"),
-          ("other", "other (buffers, DDP buckets)", "#8172b3"))
+          ("other", "other (buffers)", "#8172b3"))
 
 
 def memory_chart(entries: list[dict[str, Any]], budget: int, path: Path) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from meshfit.parallel.schedules import SCHEDULES
 from meshfit.units import parse_bytes
 
 
@@ -109,10 +110,17 @@ class ParallelSection(_Section):
 class PipelineSection(_Section):
     """Pipeline parallelism (used when parallel.pp > 1)."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"] = "1f1b"
+    schedule: str = "1f1b"  # one of parallel/schedules.py's SCHEDULES
     microbatches: int | None = None  # per optimizer step on each pipeline; None = one sequence each
     virtual_stages: int | None = None  # stages per rank; None = 1, or 2 for interleaved and V schedules
     layers_per_stage: list[int] | None = None  # override of the balanced split, one entry per stage
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str) -> str:
+        if value not in SCHEDULES:
+            raise ValueError(f"must be one of {', '.join(repr(s) for s in SCHEDULES)}")
+        return value
 
     @field_validator("microbatches", "virtual_stages")
     @classmethod

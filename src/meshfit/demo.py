@@ -32,7 +32,7 @@ DEMO_SEQ_LEN = 128
 DEMO_TRAIN = ["train.steps=8", f"train.seq_len={DEMO_SEQ_LEN}", "train.lr=3e-3", "train.warmup_steps=2",
               "checkpoint.at_end=false",  # the demo compares memory; its runs are not continued
               "train.log_every=2"]
-# DDP needs ~125 MiB per rank, ZeRO-1 ~104, ZeRO-2 ~84, ZeRO-3 ~73, ZeRO-3 + checkpointing ~62 (measured).
+# Planned per rank: DDP ~105 MiB, ZeRO-1 ~94, ZeRO-2 ~84, ZeRO-3 ~73, ZeRO-3 + checkpointing ~62.
 DEMO_BUDGET = "80MiB"
 PROBE_STEPS = 3  # unbudgeted re-run of a failing layout; DDP's buckets settle after step 2
 
@@ -57,11 +57,12 @@ def demo_trials(nproc: int) -> list[Trial]:
     shard = dict(dp_shard=nproc, micro_batch=1)
     return [
         Trial("ddp", Layout(dp_replicate=nproc, micro_batch=1),
-              "full replica of weights, grads (+ DDP buckets) and AdamW states on every rank"),
+              "full replica of weights, grads (DDP's buckets) and AdamW states on every rank"),
         Trial("ddp-4x-batch", Layout(dp_replicate=nproc, micro_batch=4),
               "the same replica with a 4× larger micro-batch: more activations", global_batch=4 * DEMO_GLOBAL_BATCH),
-        Trial("zero1", Layout(zero_stage=1, **shard), "optimizer states sharded, grads and weights replicated"),
-        Trial("zero2", Layout(zero_stage=2, **shard), "+ grads sharded; gathered weights kept from forward to backward"),
+        Trial("zero1", Layout(zero_stage=1, **shard),
+              "optimizer states sharded; weights gathered and full grads kept until the last micro-batch"),
+        Trial("zero2", Layout(zero_stage=2, **shard), "+ grads reduce-scattered to 1/N after every micro-batch"),
         Trial("zero3", Layout(zero_stage=3, **shard), "+ weights sharded, gathered block by block (FSDP)"),
         Trial("fsdp-ac", Layout(zero_stage=3, activation_checkpointing="full", **shard),
               "ZeRO-3 + full activation checkpointing: blocks keep only their inputs"),

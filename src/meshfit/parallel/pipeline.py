@@ -15,23 +15,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from meshfit.models import ModelConfig
+from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages  # noqa: F401 (re-exported)
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
-
-# meshfit name -> (torch schedule class name, virtual stages per rank: None = any ≥ 2, V-shaped placement)
-SCHEDULES = {
-    "gpipe": ("GPipe", 1, False),
-    "1f1b": ("1F1B", 1, False),
-    "interleaved-1f1b": ("Interleaved1F1B", None, False),
-    "interleaved-zb": ("InterleavedZeroBubble", None, False),
-    "zbv": ("ZBVZeroBubble", 2, True),
-    "dualpipev": ("DualPipeV", 2, True),
-}
-
-
-def default_virtual_stages(schedule: str) -> int:
-    fixed = SCHEDULES[schedule][1]
-    return fixed if fixed is not None else 2
-
 
 @dataclass(frozen=True)
 class StagePlan:

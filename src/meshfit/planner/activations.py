@@ -4,9 +4,9 @@ The coefficients below count the tensors autograd saves in one block of meshfit'
 memory tracker sees them, one storage counted once), in three numeric modes:
 
 * ``fp32``: everything in fp32.
-* ``bf16``: compute in bf16 — FSDP2's MixedPrecisionPolicy (the mixed-precision path of ZeRO-2/3) and
+* ``bf16``: compute in bf16 — FSDP2's MixedPrecisionPolicy (the mixed-precision path of ZeRO-1/2/3) and
   pure bf16 training both run the blocks on bf16 weights and activations.
-* ``autocast``: mixed precision of DDP / ZeRO-1 (torch.autocast over fp32 weights): the residual stream and
+* ``autocast``: mixed precision of DDP and of one rank (torch.autocast over fp32 weights): the residual stream and
   norm statistics stay fp32, matmul inputs are cast to bf16, and autocast's bf16 copies of every weight are
   kept by the graph until backward (they count as activations).
 

@@ -28,12 +28,13 @@ from meshfit.planner.activations import (
 )
 from meshfit.planner.layout import Layout, Workload
 from meshfit.parallel.kinds import data_parallel_kind
+from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.memory import pipeline_in_flight_microbatches
 
 # (weight, gradient, {optimizer: state}) bytes per parameter as meshfit keeps them. Mixed precision keeps
 # fp32 master weights, fp32 gradients (reduced in fp32) and fp32 states; bf16 copies exist only for compute.
-_STATE = {
+STATE_BYTES = {
     "fp32": (4, 4, {"adamw": 8, "sgd": 4}),
     "mixed": (4, 4, {"adamw": 8, "sgd": 4}),
     "bf16": (2, 2, {"adamw": 4, "sgd": 2}),
@@ -190,7 +191,7 @@ class _States:
 
 
 def _states(layout: Layout, workload: Workload, n: float) -> _States:
-    w_bytes, g_bytes, states = _STATE[workload.precision]
+    w_bytes, g_bytes, states = STATE_BYTES[workload.precision]
     if layout.offload:
         return _States(0.0, 0.0, 0.0, 0.0)
     share = layout.dp_shard if layout.zero_stage >= 1 else 1
@@ -253,7 +254,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         if micro > 1 and layout.tp > 1 and share.last and (_kind(layout) == "none" or accumulated):
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
-            g_bytes = c_bytes if accumulated else _STATE[workload.precision][1]
+            g_bytes = c_bytes if accumulated else STATE_BYTES[workload.precision][1]
             grads_loss += model.vocab_size * model.dim / layout.tp * g_bytes
     grads_loss = max(grads_loss, st.at_rest_grads)
     gathered = gathered_loss = unit_grads = working = 0.0
@@ -315,6 +316,10 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # The fused AdamW step updates tensor by tensor in place: no temporaries worth counting.
         "optimizer": (params, grads_full, optim, 0.0, buckets),
     }
+    if st.at_rest_grads and (micro > 1):
+        # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
+        # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
+        phases["bucket rebuild"] = (params, 2 * st.at_rest_grads, optim, 0.0, buckets)
     if fsdp and layout.pp == 1 and share.last and not accumulated:
         # The head's backward: its weight gradient (compute dtype, unsharded) next to every saved tensor;
         # stage 3 has not gathered the last block again yet. In fp32 one logits-sized fp32 tensor of the
@@ -356,6 +361,6 @@ def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload) -> M
 
 
 def _layout_shares(model: ModelConfig, layout: Layout, workload: Workload) -> tuple[_Share, ...]:
-    v_shape = layout.schedule in ("zbv", "dualpipev") and layout.pp > 1
+    v_shape = v_shaped(layout.schedule) and layout.pp > 1
     virtual = layout.virtual_stages if layout.pp > 1 else 1
     return _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from meshfit.models.config import num_params
-from meshfit.planner.estimate import MemoryEstimate, estimate_memory, usable_bytes
+from meshfit.planner.estimate import STATE_BYTES, MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.layout import Layout
 from meshfit.planner.search import Candidate, Plan
 from meshfit.units import fmt_bytes
 
-_STATE_BYTES = {"fp32": (4, 4), "mixed": (4, 4), "bf16": (2, 2)}
-_OPT_BYTES = {("adamw", "bf16"): 4, ("sgd", "bf16"): 2, ("adamw", "fp32"): 8, ("sgd", "fp32"): 4,
-              ("adamw", "mixed"): 8, ("sgd", "mixed"): 4}
 
 
 def _parts(m: MemoryEstimate) -> str:
@@ -43,8 +40,8 @@ def _line(c: Candidate | None, usable: float) -> str:
 
 def _states_section(plan: Plan, usable: float) -> list[str]:
     wl, n = plan.workload, num_params(plan.model)
-    w, g = _STATE_BYTES[wl.precision]
-    k = _OPT_BYTES[(wl.optimizer, wl.precision)]
+    w, g, states = STATE_BYTES[wl.precision]
+    k = states[wl.optimizer]
     world = plan.cluster.world_size
     ddp = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1), wl)
     lines = [
@@ -77,15 +74,14 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
     ddp_optim = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1), wl).optim
     lines = ["", f"What each technique buys and costs (per rank, {world} ranks, micro-batch 1):"]
     lines.append(
-        f"- ZeRO-1 shards the optimizer states over the data-parallel ranks: {fmt_bytes(zero[1].optim)} on the "
-        f"most-loaded rank instead of {fmt_bytes(ddp_optim)} (torch assigns whole parameters, so the rank "
-        f"holding the embedding carries more than 1/{world}); total {fmt_bytes(zero[1].total)}, "
-        f"{_verdict(zero[1], usable)}. Communication as DDP (all-reduce of gradients) plus a broadcast of "
-        "the updated weights.")
+        f"- ZeRO-1 shards the fp32 master weights and optimizer states evenly over the data-parallel ranks "
+        f"({fmt_bytes(zero[1].optim)} of states per rank instead of {fmt_bytes(ddp_optim)}); each step gathers "
+        f"the weights once in the compute dtype and keeps them, and full gradients, until the last "
+        f"micro-batch's backward: total {fmt_bytes(zero[1].total)}, {_verdict(zero[1], usable)}. Traffic as "
+        "DDP's all-reduce: one all-gather of weights and one reduce-scatter of gradients per step.")
     lines.append(
-        f"- ZeRO-2 also shards gradients (reduce-scatter instead of all-reduce, same volume): "
-        f"{fmt_bytes(zero[2].total)}, {_verdict(zero[2], usable)}. With torch's FSDP2, stage 2 keeps each "
-        "block's gathered weights from its forward to its backward, so weights are whole at the peak.")
+        f"- ZeRO-2 also reduce-scatters gradients after every micro-batch, keeping 1/{world} of them: "
+        f"{fmt_bytes(zero[2].total)}, {_verdict(zero[2], usable)} (with one micro-batch it is ZeRO-1).")
     lines.append(
         f"- ZeRO-3 / FSDP also shards weights, gathering one block at a time: {fmt_bytes(zero[3].total)}, "
         f"{_verdict(zero[3], usable)}; the weights are gathered again in backward (1.5× DDP's traffic). "
@@ -99,6 +95,7 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
             f"gradients, states and (with sequence parallelism) activations shrink by t. It costs collectives "
             f"in every layer's forward and backward ({tp.time.tp_comm_s:.2f} s/step for {tp.layout.describe()}), "
             "which only fast intra-node links make affordable.")
+    lines += _megatron_lines(plan, usable)
     pp = _best(plan, lambda lay: lay.pp > 1) or _fastest_any(plan, lambda lay: lay.pp > 1)
     if pp:
         lines.append(
@@ -107,6 +104,33 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
             f"of activations and the pipeline idles at its ends (bubble {pp.time.bubble_s:.2f} s/step for "
             f"{pp.layout.describe()}); more micro-batches, interleaving or zero-bubble schedules shrink it.")
     return lines
+
+
+def _megatron_lines(plan: Plan, usable: float) -> list[str]:
+    """Megatron-LM's standard layout (TP × PP × ZeRO-1) against FSDP × TP on this cluster."""
+    def zero1_tp_pp(lay: Layout) -> bool:
+        return lay.tp > 1 and lay.pp > 1 and lay.zero_stage == 1
+
+    def fsdp_tp(lay: Layout) -> bool:
+        return lay.tp > 1 and lay.pp == 1 and lay.zero_stage == 3
+
+    megatron = _best(plan, zero1_tp_pp) or _fastest_any(plan, zero1_tp_pp)
+    fsdp = _best(plan, fsdp_tp) or _fastest_any(plan, fsdp_tp)
+    if megatron is None or fsdp is None:
+        return []
+    if megatron.fits and fsdp.fits:
+        winner, loser = (megatron, fsdp) if megatron.time.tokens_per_s >= fsdp.time.tokens_per_s else (fsdp, megatron)
+        verdict = (f"{winner.layout.describe()} is {winner.time.tokens_per_s / loser.time.tokens_per_s:.2f}× "
+                   f"faster than {loser.layout.describe()}")
+    else:
+        verdict = "only " + (megatron if megatron.fits else fsdp).layout.describe() + " fits" \
+            if (megatron.fits or fsdp.fits) else "neither fits"
+    return [
+        "- Megatron's layout, ZeRO-1 × TP × PP, against FSDP × TP: "
+        f"{_line(megatron, usable)} (pipeline bubble {megatron.time.bubble_s:.2f} s, DP {megatron.time.dp_comm_s:.2f} s) "
+        f"vs {_line(fsdp, usable)} (DP {fsdp.time.dp_comm_s:.2f} s): {verdict}. ZeRO-1 gathers the weights "
+        "once per step and the pipeline splits them further; FSDP gathers every block in each forward and "
+        "backward but needs no pipeline bubble."]
 
 
 def _recommendation(plan: Plan, usable: float) -> list[str]:

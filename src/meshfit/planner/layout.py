@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages, fixed_virtual_stages
+
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "mixed", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 ATTENTIONS = ("eager", "flash")
-# Stages per rank a schedule runs: None = any ≥ 2 (interleaved schedules).
-SCHEDULE_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": None, "interleaved-zb": None, "zbv": 2,
-                    "dualpipev": 2}
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,9 @@ class Layout:
                              f"valid: {', '.join(AC_MODES)}")
         if (self.sp or self.loss_parallel) and self.tp == 1:
             raise ValueError("layout sp / loss_parallel need tp > 1")
-        if self.schedule not in SCHEDULE_VIRTUAL:
-            raise ValueError(f"layout schedule={self.schedule!r}; valid: {', '.join(SCHEDULE_VIRTUAL)}")
-        fixed = SCHEDULE_VIRTUAL[self.schedule]
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"layout schedule={self.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        fixed = fixed_virtual_stages(self.schedule)
         if self.pp > 1 and ((fixed is not None and self.virtual_stages != fixed)
                             or (fixed is None and self.virtual_stages < 2)):
             need = fixed if fixed is not None else "≥ 2"
@@ -160,8 +159,8 @@ def parse_layout(text: str, base: Layout | None = None) -> Layout:
     if "zero_stage" not in values and layout.dp_shard > 1 and layout.zero_stage == 0:
         layout = replace(layout, zero_stage=3)  # the config's default for sharded data parallelism
     if "virtual_stages" not in values and layout.pp > 1:
-        fixed = SCHEDULE_VIRTUAL.get(layout.schedule, 1)
-        layout = replace(layout, virtual_stages=fixed if fixed is not None else 2)
+        layout = replace(layout, virtual_stages=default_virtual_stages(layout.schedule)
+                         if layout.schedule in SCHEDULES else 1)
     layout.check()
     return layout
 

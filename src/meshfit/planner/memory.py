@@ -2,13 +2,15 @@
 
 Functions of plain numbers, so that published figures can be reproduced exactly and a planner can reason
 about models far too large to build. They give the idealised quantities of the papers they cite; how
-meshfit's torch building blocks deviate (DDP's gradient buckets, ZeRO-1's whole-parameter assignment,
-FSDP2 gathering one block at a time) is left to the code that maps a layout onto these functions.
+meshfit's torch building blocks deviate (fp32 gradient shards at stage 2, FSDP2 gathering one block at
+a time) is left to the code that maps a layout onto these functions.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
+
+from meshfit.parallel.schedules import SCHEDULE_NAMES
 
 # precision -> (bytes per weight, bytes per gradient, {optimizer: optimizer-state bytes K per parameter}).
 # "mixed" is the ZeRO paper's mixed-precision Adam: 16-bit weights and gradients, and K = 12 for the fp32
@@ -176,7 +178,7 @@ def activation_bytes_per_layer(
 
 # --- Pipeline schedules ------------------------------------------------------------------------------
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+SCHEDULES = SCHEDULE_NAMES
 
 
 def pipeline_in_flight_microbatches(schedule: str, pp: int, stage: int, microbatches: int,

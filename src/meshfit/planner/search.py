@@ -15,7 +15,8 @@ from typing import Any
 from meshfit.models.config import ModelConfig, num_params
 from meshfit.planner.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.hardware import Cluster
-from meshfit.planner.layout import AC_MODES, SCHEDULE_VIRTUAL, Layout, Workload
+from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
+from meshfit.planner.layout import AC_MODES, Layout, Workload
 from meshfit.planner.timing import StepTime, step_time
 from meshfit.units import fmt_bytes
 
@@ -91,7 +92,8 @@ def _pipelines(model: ModelConfig, pp: int, micro: int) -> Iterator[tuple[str, i
     if pp == 1:
         yield "1f1b", 1
         return
-    for schedule, fixed in SCHEDULE_VIRTUAL.items():
+    for schedule in SCHEDULES:
+        fixed = fixed_virtual_stages(schedule)
         for virtual in ((fixed,) if fixed is not None else (2, 4)):
             if pp * virtual > model.n_layers:
                 continue

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshfit.parallel.kinds import data_parallel_kind
+from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 
 if TYPE_CHECKING:
@@ -79,7 +80,6 @@ _STORAGE_BYTES = {"fp32": 4, "mixed": 4, "bf16": 2}
 # Optimizer states per parameter, each in the storage dtype: AdamW's two moments, SGD's momentum.
 _STATES = {"adamw": 2, "sgd": 1}
 _ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
-_V_SHAPED = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     peak = gpu.fp32_flops if precision == "fp32" else gpu.bf16_flops
     cbytes, sbytes = _COMPUTE_BYTES[precision], _STORAGE_BYTES[precision]
     virtual = layout.virtual_stages if pp > 1 else 1
-    rank = bottleneck_rank(model.n_layers, pp, virtual, layout.schedule in _V_SHAPED, layer, head)
+    rank = bottleneck_rank(model.n_layers, pp, virtual, v_shaped(layout.schedule), layer, head)
     blocks, _, has_head = rank
 
     # Compute: the bottleneck rank's share of the model FLOPs, 1/tp of it per tensor-parallel rank.

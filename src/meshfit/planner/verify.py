@@ -79,9 +79,8 @@ def verify_config(model: ModelConfig | str, layout: Layout, workload: Workload) 
 def measured_ranks(layout: Layout) -> list[int]:
     """The global ranks whose memory `verify_layout` measures by default.
 
-    Without pipelining: rank 0. Data and tensor-parallel ranks hold equal shares, except under ZeRO-1,
-    whose greedy split by whole parameters gives rank 0 the largest one (the embedding) and so the most
-    optimizer state. With pipelining the pipeline ranks
+    Without pipelining: rank 0; data and tensor-parallel ranks hold equal shares (every stage shards
+    element by element). With pipelining the pipeline ranks
     differ (the first keeps the most micro-batches in flight and the embedding, the last the head, the
     logits and the loss), so each pipeline coordinate is measured at data/tensor coordinate 0: global rank
     k · (world / pp) in meshfit's mesh order (pp, dp_replicate, dp_shard, tp). Each holds 1/pp of the
@@ -102,9 +101,8 @@ def verify_layout(model: ModelConfig | str, layout: Layout, workload: Workload, 
     inputs), buffers (the fold's `other`: RoPE tables, DDP buckets, pipeline receive buffers) and total
     (the tally at the peak). It is the highest peak of steps 2..steps, with that step's breakdown (the
     latest step on ties): step 1 has no optimizer states yet during backward. With steps=1 it is step 1.
-    DDP (ZeRO-0/1 with data parallelism) re-creates its gradient buckets in step 2, where the tracker
-    counts them as activations; such layouts run at least 3 steps (unless steps=1) so the breakdown files
-    them as buffers (the total is the same).
+    DDP re-creates its gradient buckets in step 2, where the tracker counts the new ones as activations;
+    DDP layouts run at least 3 steps (unless steps=1), so that a steady step is measured too.
     """
     if steps < 1:
         raise ValueError(f"steps={steps} must be ≥ 1 (2 or more measure a steady step)")
@@ -112,7 +110,7 @@ def verify_layout(model: ModelConfig | str, layout: Layout, workload: Workload, 
     world = layout.world_size
     if rank is not None and not 0 <= rank < world:
         raise ValueError(f"rank={rank} must be in 0..{world - 1} (world size {world})")
-    if layout.zero_stage <= 1 and layout.dp > 1 and steps >= 2:
+    if layout.zero_stage == 0 and layout.dp > 1 and steps >= 2:
         steps = max(steps, 3)
     say = progress or (lambda _msg: None)
     start = time.perf_counter()

@@ -215,7 +215,7 @@ class Checkpointer:
         train = state["train"]
         run.scheduler.load_state_dict(train["scheduler"])
         for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr  # ZeRO-1 copies its own groups' lr onto the shard's optimizer at each step
+            group["lr"] = lr  # the restored schedule's rate, as its next step() would set it
         run.batches.load_state_dict(train["data"])
         step = int(train["step"])
         if same_world:

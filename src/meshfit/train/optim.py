@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfit.config import TrainSection
 
@@ -17,10 +18,15 @@ def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimi
     implementation updates each tensor in one kernel: torch's multi-tensor (foreach) default would keep
     a temporary as large as all the rank's parameters during step().
     """
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            # One fused call takes either plain tensors or DTensors (tensor-parallel weights can sit next
+            # to plain norm gains), so each kind gets its own group.
+            groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
+    param_groups = [{"params": params, "weight_decay": train.weight_decay if decay else 0.0}
+                    for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+    return torch.optim.AdamW(param_groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -64,7 +64,7 @@ def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, devic
                   autocast: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
     """Forward and backward of every micro-batch through the schedule; returns the mean loss on every
     rank of the pipeline (only the last stage computes it). ``autocast``: mixed precision of replicated
-    (DDP / ZeRO-1) stages; the schedule runs every forward inside it."""
+    (DDP) stages; the schedule runs every forward inside it."""
     losses: list[torch.Tensor] = []
     args = (inputs.to(device),) if pipe.first else ()
     kwargs = {"target": targets.to(device), "losses": losses} if pipe.last else {}

@@ -12,7 +12,8 @@ from pathlib import Path
 from meshfit.config import Config, ConfigError
 from meshfit.models import ModelConfig
 from meshfit.parallel.dims import ParallelDims, divisors
-from meshfit.parallel.pipeline import SCHEDULES, StagePlan, default_virtual_stages, plan_stages
+from meshfit.parallel.pipeline import StagePlan, plan_stages
+from meshfit.parallel.schedules import default_virtual_stages, fixed_virtual_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
 
 
@@ -36,7 +37,7 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
     if cfg.train.micro_batch is not None:
         raise ConfigError("train.micro_batch does not apply with parallel.pp > 1: set pipeline.microbatches "
                           "(micro-batches per step on each pipeline) instead")
-    fixed = SCHEDULES[pipe.schedule][1]
+    fixed = fixed_virtual_stages(pipe.schedule)
     virtual = pipe.virtual_stages or default_virtual_stages(pipe.schedule)
     if fixed is not None and virtual != fixed:
         raise ConfigError(f"pipeline.virtual_stages={virtual}: schedule {pipe.schedule} runs exactly {fixed} "

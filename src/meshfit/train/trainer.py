@@ -62,6 +62,7 @@ class Run:
     run_dir: Path | None = None
     step: int = 0  # optimizer steps done, counting those before a resume
     start_step: int = 0  # the step this launch started from (> 0 when resumed)
+    launch_steps: int = 0  # optimizer steps taken by this process (dry runs included)
     history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
 
 
@@ -159,7 +160,13 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     run.scheduler.step()
     # DDP's gradients are views into its buckets: zeroing them in place keeps them so (the next
     # micro-batches accumulate into the buckets); freeing them would add a second copy next to the buckets.
-    run.optimizer.zero_grad(set_to_none=not _ddp(run))
+    # DDP re-orders its buckets once, at the forward after a launch's first step, and views still held
+    # then keep the old buckets alive next to the new ones. Without gradient accumulation they are freed
+    # after the first step; with it that step's next micro-batches would allocate whole new gradients
+    # outside the buckets, a larger cost than the old buckets at the start of the forward.
+    accumulating = run.shape.accum_steps > 1 or (run.pipe is not None and run.shape.microbatches > 1)
+    run.optimizer.zero_grad(set_to_none=not _ddp(run) or (run.launch_steps == 0 and not accumulating))
+    run.launch_steps += 1
     return grad_norm
 
 
