@@ -71,12 +71,13 @@ def verify_in_subprocess(model, layout: Layout, workload: Workload) -> dict:
 def real_peak(layout: Layout, workload: Workload) -> int:
     """Most-loaded rank's peak over steps 2..3 of a real run on local gloo ranks."""
     from meshfit.config import load_config
-    from meshfit.planner.planfile import train_overrides
+    from meshfit.planner.planfile import plan_sections
     from meshfit.train.launch import launch
 
     run_dir = Path(tempfile.mkdtemp(prefix="meshfit-accuracy-"))
-    sets = train_overrides(get_preset("small"), workload, layout) + ["train.steps=3", "train.device=cpu"]
-    outcome = launch(load_config(None, sets), run_dir, layout.world_size if layout.world_size > 1 else None)
+    sections = plan_sections(get_preset("small"), workload, layout)
+    sections["train"].update(steps=3, device="cpu")
+    outcome = launch(load_config(None, sections=sections), run_dir, layout.world_size if layout.world_size > 1 else None)
     if not outcome.ok:
         raise RuntimeError(outcome.message)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -2,8 +2,8 @@
 
     python benchmarks/reshard_resume.py [--steps-per-leg 3] [--out runs/reshard-resume]
 
-Legs: dp_shard=4 (FSDP) → dp_shard=2 × tp=2 → pp=2 → one process; each resumes from the checkpoint the
-previous leg saved. Prints one row per step: layout, resumed loss, reference loss and |Δ|.
+Legs: dp_shard=4 (ZeRO-3) → dp_shard=2 (ZeRO-1) × tp=2 → dp_replicate=2 (DDP) × tp=2 → pp=2 → one process;
+each resumes from the checkpoint the previous leg saved. Prints one row per step: layout, resumed loss, reference loss and |Δ|.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from meshfit.train.launch import launch
 
 BASE = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=64", "train.lr=3e-3", "train.warmup_steps=2",
         "train.seed=7"]
-LEGS = [(["parallel.dp_shard=4"], 4), (["parallel.dp_shard=2", "parallel.tp=2"], 4), (["parallel.pp=2"], 2),
-        ([], None)]
+LEGS = [(["parallel.dp_shard=4"], 4), (["parallel.dp_shard=2", "parallel.zero_stage=1", "parallel.tp=2"], 4),
+        (["parallel.dp_replicate=2", "parallel.tp=2"], 4), (["parallel.pp=2"], 2), ([], None)]
 
 
 def main() -> None:

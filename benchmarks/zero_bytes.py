@@ -64,12 +64,13 @@ SMALL = get_preset("small")
 def real_breakdown(lay: Layout, work: Workload) -> dict:
     """The most-loaded rank's breakdown at its peak over steps 2-3 of a real run on local gloo ranks."""
     from meshfit.config import load_config
-    from meshfit.planner.planfile import train_overrides
+    from meshfit.planner.planfile import plan_sections
     from meshfit.train.launch import launch
 
     run_dir = Path(tempfile.mkdtemp(prefix="meshfit-zero-bytes-"))
-    sets = train_overrides(SMALL, work, lay) + ["train.steps=3", "train.device=cpu"]
-    outcome = launch(load_config(None, sets), run_dir, lay.world_size)
+    sections = plan_sections(SMALL, work, lay)
+    sections["train"].update(steps=3, device="cpu")
+    outcome = launch(load_config(None, sections=sections), run_dir, lay.world_size)
     if not outcome.ok:
         raise RuntimeError(outcome.message)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

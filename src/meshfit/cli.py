@@ -94,13 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_train(args: argparse.Namespace) -> int:
     from meshfit.train.launch import launch, under_torchrun
 
-    overrides = args.overrides
+    overrides, sections = args.overrides, None
     if args.plan:
-        from meshfit.planner.planfile import read_plan, train_overrides
+        from meshfit.planner.planfile import plan_sections, read_plan
 
         try:
             parts = _plan_parts(read_plan(args.plan))
-            overrides = train_overrides(*parts) + overrides
+            sections = plan_sections(*parts)
         except ValueError as exc:
             raise ConfigError(f"--plan {exc}") from None
         world = parts[2].world_size
@@ -115,7 +115,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             overrides.append(f"checkpoint.resume_from={args.resume_from}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, sections)
     run_dir = args.run_dir or _default_run_dir("train")
     outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts)
     if under_torchrun():

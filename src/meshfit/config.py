@@ -303,9 +303,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a config file (optional) and apply overrides; raises ConfigError naming each bad field."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                sections: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Read a config file (optional), lay typed `sections` over it (e.g. a plan's), then apply the --set
+    overrides; raises ConfigError naming each bad field."""
     data = _read_file(Path(path)) if path else {}
+    for section, values in (sections or {}).items():
+        data[section] = {**(data.get(section) or {}), **values}
     data = apply_overrides(data, overrides or [])
     try:
         return Config.model_validate(data)

@@ -45,8 +45,10 @@ class Trial:
     global_batch: int = DEMO_GLOBAL_BATCH
 
     @property
-    def overrides(self) -> list[str]:
-        return self.layout.config_overrides(self.global_batch) + [f"train.global_batch={self.global_batch}"]
+    def sections(self) -> dict[str, dict[str, Any]]:
+        sections = self.layout.config_sections(self.global_batch)
+        sections["train"]["global_batch"] = self.global_batch
+        return sections
 
     @property
     def nproc(self) -> int:
@@ -104,21 +106,25 @@ class Entry:
 
 
 def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
-    base = DEMO_MODEL + DEMO_TRAIN + trial.overrides
+    base, sections = DEMO_MODEL + DEMO_TRAIN, trial.sections
     nproc, predicted = trial.nproc, predict(trial).as_dict()
     console.print(f"[bold]{trial.name}[/bold]: {trial.why} — training under a {budget} per-rank budget")
-    outcome = launch(load_config(None, base + [f"train.memory_budget={budget}"]), root / trial.name, nproc)
+    outcome = launch(load_config(None, base + [f"train.memory_budget={budget}"], sections), root / trial.name,
+                     nproc)
     if outcome.ok:
         res = outcome.result
         return Entry(trial.name, True, res["peak_mem_bytes"], res["final_loss"], trial.why, res["mem"],
                      predicted=predicted)
     console.print(f"  [red]does not fit[/red]: {outcome.message}")
     console.print(f"  measuring what it needs: {PROBE_STEPS} steps without the budget")
-    probe: Outcome = launch(load_config(None, base + [f"train.steps={PROBE_STEPS}"]),
+    probe: Outcome = launch(load_config(None, base + [f"train.steps={PROBE_STEPS}"], sections),
                             root / f"{trial.name}-unbounded", nproc)
     peak = probe.result["peak_mem_bytes"] if probe.ok else None
-    return Entry(trial.name, False, peak, None, trial.why, probe.result["mem"] if probe.ok else [], outcome.message,
-                 predicted)
+    error = outcome.message
+    if not probe.ok:
+        console.print(f"  [red]the run without the budget failed too[/red]: {probe.message}")
+        error += f"; without the budget it failed too: {probe.message}"
+    return Entry(trial.name, False, peak, None, trial.why, probe.result["mem"] if probe.ok else [], error, predicted)
 
 
 def _plan_table(trials: list[Trial], budget: int) -> Table:

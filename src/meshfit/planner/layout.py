@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages, fixed_virtual_stages
+from meshfit.parallel.rules import default_zero_stage, layout_error
+from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages
 
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "mixed", "bf16")
@@ -58,23 +59,14 @@ class Layout:
                 raise ValueError(f"layout {name}={value!r} must be a positive integer")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"layout zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
-        if self.zero_stage == 0 and self.dp_shard > 1:
-            raise ValueError(f"layout dp_shard={self.dp_shard} needs zero_stage 1, 2 or 3 (0 is DDP; use "
-                             "dp_replicate for plain replicas)")
-        if self.offload and self.zero_stage < 2:
-            raise ValueError("layout offload=true needs zero_stage 2 or 3")
         if self.activation_checkpointing not in AC_MODES:
             raise ValueError(f"layout activation_checkpointing={self.activation_checkpointing!r}; "
                              f"valid: {', '.join(AC_MODES)}")
-        if (self.sp or self.loss_parallel) and self.tp == 1:
-            raise ValueError("layout sp / loss_parallel need tp > 1")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"layout schedule={self.schedule!r}; valid: {', '.join(SCHEDULES)}")
-        fixed = fixed_virtual_stages(self.schedule)
-        if self.pp > 1 and ((fixed is not None and self.virtual_stages != fixed)
-                            or (fixed is None and self.virtual_stages < 2)):
-            need = fixed if fixed is not None else "≥ 2"
-            raise ValueError(f"layout virtual_stages={self.virtual_stages}: schedule {self.schedule} runs {need}")
+        error = layout_error(dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, zero_stage=self.zero_stage,
+                             offload=self.offload, sp=self.sp, loss_parallel=self.loss_parallel,
+                             schedule=self.schedule, virtual_stages=self.virtual_stages, config_names=False)
+        if error:
+            raise ValueError(error)
 
     def describe(self) -> str:
         """Short human name, e.g. ``zero3 dp_shard=64 · tp=8+sp · pp=4 1f1b · ac=full · mb=1``."""
@@ -111,19 +103,17 @@ class Layout:
         layout.check()
         return layout
 
-    def config_overrides(self, global_batch: int) -> list[str]:
-        """``--set`` overrides that make `meshfit train` run exactly this layout."""
-        sets = [f"parallel.{k}={getattr(self, k)}" for k in
-                ("dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "offload", "sp", "loss_parallel")]
-        if self.activation_checkpointing != "none":  # "none" is the default (and reads as null in --set)
-            sets.append(f"parallel.activation_checkpointing={self.activation_checkpointing}")
+    def config_sections(self, global_batch: int) -> dict[str, dict[str, Any]]:
+        """The config sections (typed values, the trainer's own field names) that make `meshfit train` run
+        exactly this layout."""
+        parallel = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "offload",
+                                                  "sp", "loss_parallel", "activation_checkpointing")}
         if self.pp > 1:
             local = global_batch // self.dp
-            sets += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
-                     f"pipeline.microbatches={max(1, local // self.micro_batch)}", "train.micro_batch=null"]
-        else:
-            sets.append(f"train.micro_batch={self.micro_batch}")
-        return sets
+            pipeline = {"schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                        "microbatches": max(1, local // self.micro_batch)}
+            return {"parallel": parallel, "pipeline": pipeline, "train": {"micro_batch": None}}
+        return {"parallel": parallel, "train": {"micro_batch": self.micro_batch}}
 
 
 def _convert(kind: str, raw: str) -> Any:
@@ -156,8 +146,8 @@ def parse_layout(text: str, base: Layout | None = None) -> Layout:
     """``KEY=VAL,KEY=VAL`` (keys of :class:`Layout`) on top of ``base``; raises ValueError naming the key."""
     values = parse_assignments(text, Layout, "--layout")
     layout = replace(base or Layout(), **values)
-    if "zero_stage" not in values and layout.dp_shard > 1 and layout.zero_stage == 0:
-        layout = replace(layout, zero_stage=3)  # the config's default for sharded data parallelism
+    if "zero_stage" not in values and layout.zero_stage == 0:
+        layout = replace(layout, zero_stage=default_zero_stage(layout.dp_shard))  # the config's default
     if "virtual_stages" not in values and layout.pp > 1:
         layout = replace(layout, virtual_stages=default_virtual_stages(layout.schedule)
                          if layout.schedule in SCHEDULES else 1)

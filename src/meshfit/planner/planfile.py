@@ -66,10 +66,12 @@ def check_trainable(workload: Workload) -> None:
                          "attention (scaled_dot_product_attention); use attention 'flash'")
 
 
-def train_overrides(model: ModelConfig, workload: Workload, layout: Layout) -> list[str]:
-    """`--set` overrides that make `meshfit train` run this plan (the user's own --set come after)."""
+def plan_sections(model: ModelConfig, workload: Workload, layout: Layout) -> dict[str, dict[str, Any]]:
+    """The config sections that make `meshfit train` run this plan (typed values; a config file comes
+    below them and the user's own --set on top, see `load_config`)."""
     check_trainable(workload)
-    sets = [f"model.{k}={getattr(model, k)}" for k in _MODEL_FIELDS]
-    sets += [f"train.seq_len={workload.seq_len}", f"train.global_batch={workload.global_batch}",
-             f"parallel.mixed_precision={'true' if workload.precision == 'mixed' else 'false'}"]
-    return sets + layout.config_overrides(workload.global_batch)
+    sections = layout.config_sections(workload.global_batch)
+    sections["model"] = {k: getattr(model, k) for k in _MODEL_FIELDS}
+    sections["train"].update(seq_len=workload.seq_len, global_batch=workload.global_batch)
+    sections["parallel"]["mixed_precision"] = workload.precision == "mixed"
+    return sections

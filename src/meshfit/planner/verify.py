@@ -36,7 +36,7 @@ from typing import Any
 from meshfit.config import Config, load_config
 from meshfit.models import ModelConfig, get_preset
 from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.planfile import check_trainable, train_overrides
+from meshfit.planner.planfile import check_trainable, plan_sections
 from meshfit.units import fmt_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers", "total")
@@ -69,11 +69,10 @@ def verify_config(model: ModelConfig | str, layout: Layout, workload: Workload) 
         raise ValueError(f"workload dropout={workload.dropout}: llama-family models have no dropout; use 0")
     if resolved.family == "gpt":
         resolved = replace(resolved, dropout=workload.dropout)
-    sets = train_overrides(resolved, workload, layout) + [
-        "train.device=cpu",
-        # A fixed figure: the MFU estimate is not used, and measuring the CPU would cost time.
-        "train.peak_flops=1e12"]
-    return load_config(None, sets)
+    sections = plan_sections(resolved, workload, layout)
+    # A fixed figure: the MFU estimate is not used, and measuring the CPU would cost time.
+    sections["train"].update(device="cpu", peak_flops=1e12)
+    return load_config(None, sections=sections)
 
 
 def measured_ranks(layout: Layout) -> list[int]:

@@ -13,7 +13,8 @@ from meshfit.config import Config, ConfigError
 from meshfit.models import ModelConfig
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline import StagePlan, plan_stages
-from meshfit.parallel.schedules import default_virtual_stages, fixed_virtual_stages
+from meshfit.parallel.rules import default_zero_stage, layout_error
+from meshfit.parallel.schedules import default_virtual_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
 
 
@@ -37,14 +38,7 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
     if cfg.train.micro_batch is not None:
         raise ConfigError("train.micro_batch does not apply with parallel.pp > 1: set pipeline.microbatches "
                           "(micro-batches per step on each pipeline) instead")
-    fixed = fixed_virtual_stages(pipe.schedule)
     virtual = pipe.virtual_stages or default_virtual_stages(pipe.schedule)
-    if fixed is not None and virtual != fixed:
-        raise ConfigError(f"pipeline.virtual_stages={virtual}: schedule {pipe.schedule} runs exactly {fixed} "
-                          "stage(s) per rank")
-    if fixed is None and virtual < 2:
-        raise ConfigError(f"pipeline.virtual_stages={virtual}: {pipe.schedule} needs ≥ 2 stages per rank "
-                          "(use gpipe or 1f1b for one)")
     n_stages = dims.pp * virtual
     if n_stages > model.n_layers:
         raise ConfigError(f"parallel.pp × pipeline.virtual_stages = {dims.pp} × {virtual} = {n_stages} stages, "
@@ -64,31 +58,16 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
     return plan, micro
 
 
-def _check_tp(cfg: Config, dims: ParallelDims, model: ModelConfig) -> None:
-    par = cfg.parallel
-    if dims.tp == 1:
-        for flag in ("sp", "loss_parallel"):
-            if getattr(par, flag):
-                raise ConfigError(f"parallel.{flag}=true needs tensor parallelism (parallel.tp > 1)")
-        return
-    error = tp_degree_error(model, dims.tp, cfg.train.seq_len, par.sp)
+def _layout(cfg: Config, dims: ParallelDims) -> int:
+    """The resolved ZeRO stage, after the layout rules every entry point shares (parallel/rules.py)."""
+    par, pipe = cfg.parallel, cfg.pipeline
+    stage = par.zero_stage if par.zero_stage is not None else default_zero_stage(dims.dp_shard)
+    error = layout_error(dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, zero_stage=stage, offload=par.offload,
+                         sp=par.sp, loss_parallel=par.loss_parallel, schedule=pipe.schedule,
+                         virtual_stages=pipe.virtual_stages or default_virtual_stages(pipe.schedule),
+                         config_names=True)
     if error:
         raise ConfigError(error)
-
-
-def _zero_stage(cfg: Config, dims: ParallelDims) -> int:
-    par = cfg.parallel
-    stage = par.zero_stage if par.zero_stage is not None else (3 if dims.dp_shard > 1 else 0)
-    if stage == 0 and dims.dp_shard > 1:
-        raise ConfigError(
-            f"parallel.dp_shard={dims.dp_shard} shards state across ranks, which needs parallel.zero_stage "
-            "1, 2 or 3; zero_stage=0 is DDP (use parallel.dp_replicate for plain replicas)"
-        )
-    if par.offload and stage < 2:
-        raise ConfigError(
-            f"parallel.offload=true needs parallel.zero_stage 2 or 3 (got {stage}): host offload is done by "
-            "FSDP for sharded parameters, gradients and optimizer states"
-        )
     return stage
 
 
@@ -138,6 +117,9 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
             f"use train.seq_len ≤ {model.max_seq_len} or raise model.max_seq_len"
         )
     _check_data(cfg, model.vocab_size)
+    stage = _layout(cfg, dims)
+    if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len, p.sp)):
+        raise ConfigError(error)
     stages, microbatches = None, 1
     if dims.pp > 1:
         local = _batch_shape(cfg, dims, None)[0]
@@ -145,8 +127,6 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         micro, accum = local, 1
     else:
         local, micro, accum = _batch_shape(cfg, dims, cfg.train.micro_batch)
-    stage = _zero_stage(cfg, dims)
-    _check_tp(cfg, dims, model)
     mixed = cfg.parallel.mixed_precision or cfg.train.precision == "bf16"
     return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum, zero_stage=stage,
                     mixed_precision=mixed, stages=stages, microbatches=microbatches)

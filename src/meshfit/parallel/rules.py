@@ -1,0 +1,55 @@
+"""The rules a layout must follow to run, written once for `meshfit plan`, `meshfit verify` and `meshfit train`.
+
+The planner's Layout and the trainer's config sections name the same fields; `layout_error` words its
+answer in either vocabulary: ``layout zero_stage`` for a plan, ``parallel.zero_stage`` for a config.
+"""
+
+from __future__ import annotations
+
+from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
+
+# Config section of each field the rules name.
+SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "zero_stage": "parallel",
+           "offload": "parallel", "sp": "parallel", "loss_parallel": "parallel", "schedule": "pipeline",
+           "virtual_stages": "pipeline"}
+
+
+def default_zero_stage(dp_shard: int) -> int:
+    """parallel.zero_stage when not given: FSDP (3) when state is sharded, else DDP (0)."""
+    return 3 if dp_shard > 1 else 0
+
+
+def _namer(config_names: bool):
+    return (lambda f: f"{SECTION[f]}.{f}") if config_names else (lambda f: f)
+
+
+def layout_error(*, config_names: bool, **fields: object) -> str | None:
+    """What is wrong with this combination (naming the field and what would work), or None.
+
+    ``fields``: dp_shard, tp, pp, zero_stage, offload, sp, loss_parallel, schedule, virtual_stages.
+    """
+    error = _first_error(_namer(config_names), **fields)  # type: ignore[arg-type]
+    return error if error is None or config_names else f"layout {error}"
+
+
+def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offload: bool, sp: bool,
+                 loss_parallel: bool, schedule: str, virtual_stages: int) -> str | None:
+    if zero_stage == 0 and dp_shard > 1:
+        return (f"{name('dp_shard')}={dp_shard} shards state across ranks, which needs {name('zero_stage')} 1, 2 "
+                f"or 3; zero_stage=0 is DDP (use {name('dp_replicate')} for plain replicas)")
+    if offload and zero_stage < 2:
+        return (f"{name('offload')}=true needs {name('zero_stage')} 2 or 3 (got {zero_stage}): host offload is "
+                "done by FSDP for sharded parameters, gradients and optimizer states")
+    for flag, on in (("sp", sp), ("loss_parallel", loss_parallel)):
+        if on and tp == 1:
+            return f"{name(flag)}=true needs tensor parallelism ({name('tp')} > 1)"
+    if schedule not in SCHEDULES:
+        return f"{name('schedule')}={schedule!r}; valid: {', '.join(SCHEDULES)}"
+    fixed = fixed_virtual_stages(schedule)
+    if pp > 1 and fixed is not None and virtual_stages != fixed:
+        return (f"{name('virtual_stages')}={virtual_stages}: schedule {schedule} runs exactly {fixed} stage(s) "
+                "per rank")
+    if pp > 1 and fixed is None and virtual_stages < 2:
+        return (f"{name('virtual_stages')}={virtual_stages}: {schedule} needs ≥ 2 stages per rank (use gpipe or "
+                "1f1b for one)")
+    return None
