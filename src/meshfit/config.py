@@ -45,6 +45,9 @@ class ModelSection(_Section):
     dropout: float | None = None
     norm_eps: float | None = None
     rope_theta: float | None = None
+    # Pad the vocabulary to a multiple of this (tensor parallelism splits it by rows). Unset: padded to a
+    # multiple of parallel.tp only when tp does not divide it.
+    pad_vocab_to: int | None = None
     # Start from these weights instead of random ones: a folder (or file) of Hugging Face-style
     # safetensors, as `meshfit export` writes. Shapes must match the model above.
     init_from: str | None = None

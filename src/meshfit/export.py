@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshfit.models.config import ModelConfig
 from meshfit.models.hf_weights import save_hf
+from meshfit.models.init import strip_padding
 from meshfit.train import checkpoint_store as store
 from meshfit.train.checkpoint_store import CheckpointError
 
@@ -55,4 +56,5 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32") -> list[Path]:
     """Write out_dir/model.safetensors and out_dir/config.json; returns the files."""
     folder = find_checkpoint(checkpoint)
     weights, model_cfg, _ = read_model(folder)
-    return save_hf(weights, model_cfg, out_dir, DTYPES[dtype])
+    # Rows added for tensor parallelism are not part of the model: the export has the real vocabulary.
+    return save_hf(strip_padding(weights, model_cfg), model_cfg, out_dir, DTYPES[dtype])

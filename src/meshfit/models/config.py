@@ -6,7 +6,8 @@ reason about models far too large to build (even on the meta device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 FAMILIES = ("llama", "gpt")
 
@@ -42,10 +43,18 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    # The embedding and head tables hold the vocabulary rounded up to a multiple of this (tensor
+    # parallelism splits them by rows); the padded rows are zero and their logits never count.
+    pad_vocab_to: int = 1
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and head tables: vocab_size rounded up to a multiple of pad_vocab_to."""
+        return -(-self.vocab_size // self.pad_vocab_to) * self.pad_vocab_to
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field if the config is unusable."""
@@ -54,7 +63,8 @@ class ModelConfig:
                 f"model.family={self.family!r} is not supported; valid family: {', '.join(FAMILIES)}"
             )
         # Sizes first: the divisibility checks below would divide by zero otherwise.
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len",
+                     "pad_vocab_to"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{name}={value!r} must be a positive integer")
@@ -117,7 +127,7 @@ def _gpt_layer_params(cfg: ModelConfig) -> int:
 def _embedding_params(cfg: ModelConfig) -> tuple[int, int]:
     """(token embedding table, learned positional table) sizes."""
     pos = cfg.max_seq_len * cfg.dim if cfg.family == "gpt" else 0
-    return cfg.vocab_size * cfg.dim, pos
+    return cfg.padded_vocab * cfg.dim, pos
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -127,7 +137,7 @@ def num_params(cfg: ModelConfig) -> int:
         body = cfg.n_layers * _llama_layer_params(cfg) + cfg.dim  # final RMSNorm
     else:
         body = cfg.n_layers * _gpt_layer_params(cfg) + 2 * cfg.dim  # final LayerNorm
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    head = 0 if cfg.tie_embeddings else cfg.padded_vocab * cfg.dim
     return tok + pos + body + head
 
 
@@ -149,3 +159,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if not cfg.tie_embeddings:
         n -= tok  # the separate output head stays counted
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def pad_vocab_for_tp(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """``cfg`` with its vocabulary padded to a multiple of ``tp`` when ``tp`` does not divide it already."""
+    if cfg.padded_vocab % tp == 0:
+        return cfg
+    return replace(cfg, pad_vocab_to=math.lcm(cfg.pad_vocab_to, tp))

@@ -73,12 +73,12 @@ class GPT(TiedHead):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = nn.Embedding(cfg.padded_vocab, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): GPTBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         self.tie_weights()
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,34 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
 
 
+_VOCAB_TABLES = ("tok_embeddings.weight", "output.weight")
+
+
+def _pad_rows(full: torch.Tensor, name: str, cfg: ModelConfig) -> torch.Tensor:
+    """A vocabulary table with the padded rows appended as zeros: the real rows are the same whatever the
+    padding, and the padded ones never receive a gradient."""
+    if name not in _VOCAB_TABLES or cfg.padded_vocab == cfg.vocab_size or full.shape[0] != cfg.vocab_size:
+        return full
+    return torch.cat([full, full.new_zeros(cfg.padded_vocab - cfg.vocab_size, *full.shape[1:])])
+
+
+def strip_padding(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full weights by plain name with the vocabulary tables cut back to the real vocabulary."""
+    return {name: value[:cfg.vocab_size] if name in _VOCAB_TABLES else value for name, value in weights.items()}
+
+
+def _real_shape(name: str, shape: torch.Size, cfg: ModelConfig) -> torch.Size:
+    if name in _VOCAB_TABLES and shape[0] == cfg.padded_vocab:
+        return torch.Size((cfg.vocab_size, *shape[1:]))
+    return shape
+
+
 def _full_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The full fp32 CPU tensor for parameter ``name``."""
+    return _pad_rows(_random_value(name, _real_shape(name, shape, cfg), seed, cfg), name, cfg)
+
+
+def _random_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
     parts = name.split(".")
     full = torch.empty(shape, dtype=torch.float32)
     if parts[-1] == "bias":
@@ -61,10 +87,10 @@ def _full_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> to
     return nn.init.normal_(full, mean=0.0, std=std, generator=_generator(seed, name))
 
 
-def _given(weights: dict[str, torch.Tensor], name: str, shape: torch.Size) -> torch.Tensor:
+def _given(weights: dict[str, torch.Tensor], name: str, shape: torch.Size, cfg: ModelConfig) -> torch.Tensor:
     if name not in weights:
         raise ValueError(f"model.init_from: the weights have no tensor for {name!r}")
-    full = weights[name]
+    full = _pad_rows(weights[name], name, cfg)
     if full.shape != shape:
         raise ValueError(f"model.init_from: {name} has shape {tuple(full.shape)} there, the model needs "
                          f"{tuple(shape)}; set the model section to the weights' dimensions")
@@ -107,7 +133,7 @@ def init_weights(model: nn.Module, seed: int, cfg: ModelConfig,
             raise ValueError(
                 f"init_weights: {raw_name} is on the meta device; call model.to_empty(device=...) first"
             )
-        full = _full_value(name, param.shape, seed, cfg) if weights is None else _given(weights, name, param.shape)
+        full = _full_value(name, param.shape, seed, cfg) if weights is None else _given(weights, name, param.shape, cfg)
         _copy_into(param, full, raw_name)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)

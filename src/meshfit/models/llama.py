@@ -128,11 +128,11 @@ class Llama(TiedHead):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = nn.Embedding(cfg.padded_vocab, cfg.dim)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         self.tie_weights()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

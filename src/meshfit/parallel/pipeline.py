@@ -15,7 +15,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from meshfit.models import ModelConfig
-from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages  # noqa: F401 (re-exported)
+from meshfit.parallel.schedules import SCHEDULES
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 
 @dataclass(frozen=True)

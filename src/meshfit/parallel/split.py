@@ -19,7 +19,7 @@ def layer_flops(cfg: ModelConfig, seq_len: int) -> float:
 
 def head_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of the output head."""
-    return 2.0 * cfg.dim * cfg.vocab_size
+    return 2.0 * cfg.dim * cfg.padded_vocab
 
 
 def _best_max_stage(layers: int, stages: int, layer_cost: float, head_cost: float) -> float:

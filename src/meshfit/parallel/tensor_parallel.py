@@ -91,11 +91,11 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, 
 def tp_degree_error(cfg: ModelConfig, tp: int, seq_len: int, sp: bool) -> str | None:
     """None if `tp` splits every sharded dimension evenly; else what it fails and the degrees that work.
 
-    No padding is applied: tp must divide the attention heads, the key/value heads, the MLP hidden size,
-    the vocabulary and, with sequence parallelism, the sequence length.
+    tp must divide the attention heads, the key/value heads, the MLP hidden size and, with sequence
+    parallelism, the sequence length; the vocabulary is padded instead (see models.config.pad_vocab_for_tp).
     """
     sizes = {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.n_kv_heads,
-             "model.ffn_hidden": cfg.ffn_hidden, "model.vocab_size": cfg.vocab_size}
+             "model.ffn_hidden": cfg.ffn_hidden}
     if sp:
         sizes["train.seq_len"] = seq_len
     failing = [f"{field}={size}" for field, size in sizes.items() if size % tp]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from meshfit.models.config import ModelConfig
+from meshfit.models.config import ModelConfig, pad_vocab_for_tp
 from meshfit.planner.activations import (
     block_activation_bytes,
     block_weight_params,
@@ -104,8 +104,8 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
     n_stages = pp * virtual
     counts = balanced_split(model.n_layers, n_stages, layer_flops(model, seq), head_flops(model)) \
         if n_stages > 1 else [model.n_layers]
-    embed = model.vocab_size * model.dim / tp + (model.max_seq_len * model.dim if model.family == "gpt" else 0)
-    head = 0 if (model.tie_embeddings and n_stages == 1) else model.vocab_size * model.dim / tp
+    embed = model.padded_vocab * model.dim / tp + (model.max_seq_len * model.dim if model.family == "gpt" else 0)
+    head = 0 if (model.tie_embeddings and n_stages == 1) else model.padded_vocab * model.dim / tp
     final_norm = model.dim if model.family == "llama" else 2 * model.dim
     block = _block_params(model, tp)
     shares = []
@@ -149,7 +149,7 @@ def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held
     (fp32); on top comes the largest transient of the loss: two fp32 gradients (fp32) or the fp32 copy of
     16-bit logits.
     """
-    vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
+    vocab = model.padded_vocab / layout.tp if layout.loss_parallel else model.padded_vocab
     p = 4 if mode == "fp32" else 2
     norm = tokens * model.dim * (12 if mode != "bf16" else 8) / (layout.tp if layout.sp else 1)
     saved = norm + tokens * vocab * (p + 4)
@@ -255,7 +255,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
             g_bytes = c_bytes if accumulated else STATE_BYTES[workload.precision][1]
-            grads_loss += model.vocab_size * model.dim / layout.tp * g_bytes
+            grads_loss += model.padded_vocab * model.dim / layout.tp * g_bytes
     grads_loss = max(grads_loss, st.at_rest_grads)
     gathered = gathered_loss = unit_grads = working = 0.0
     if fsdp:
@@ -280,7 +280,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
             # being the head's weight gradient.
             unit_grads = 0.0
-            head_weight = model.vocab_size * model.dim / layout.tp if share.last else share.block_params
+            head_weight = model.padded_vocab * model.dim / layout.tp if share.last else share.block_params
             working = max(working, head_weight * c_bytes)
         if layout.pp > 1:
             # torch's PipelineStage defers FSDP's gradient reduce-scatter and re-sharding to the end of the
@@ -291,7 +291,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
     # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
     # backward yet; the final norm's and the loss's other temporaries are gone.
-    vocab = model.vocab_size / layout.tp if layout.loss_parallel else model.vocab_size
+    vocab = model.padded_vocab / layout.tp if layout.loss_parallel else model.padded_vocab
     last_loss = tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
     block_acts = acts - head + (last_loss if share.last else 0.0)
     # Stage 3: the all-gather buffer of the next block, and without mixed precision the root's all-gather
@@ -324,7 +324,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # The head's backward: its weight gradient (compute dtype, unsharded) next to every saved tensor;
         # stage 3 has not gathered the last block again yet. In fp32 one logits-sized fp32 tensor of the
         # loss is gone by then (measured with torch's tracker on the `small` preset, vocabulary 8192).
-        head_grad = model.vocab_size * model.dim / layout.tp * c_bytes
+        head_grad = model.padded_vocab * model.dim / layout.tp * c_bytes
         freed = tokens * vocab * 4 if c_bytes == 4 else 0.0
         held_params = params + (gathered_loss if keep else share.root_params * c_bytes)
         phases["head backward"] = (held_params, grads_loss, optim, block_acts + head_grad - freed, buckets)
@@ -352,6 +352,7 @@ def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States,
 
 def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload) -> MemoryEstimate:
     """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases)."""
+    model = pad_vocab_for_tp(model, layout.tp)  # as training builds it
     shares = _layout_shares(model, layout, workload)
     # In-flight micro-batches fall with the pipeline rank, so the most-loaded rank is the first, the last
     # (head, logits) or the one with the most blocks; the others need not be evaluated.

@@ -81,9 +81,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_degrees(model: ModelConfig, world: int, per_node: int) -> list[int]:
-    # Tensor parallelism stays inside a node (its collectives run every layer) and must split every
-    # sharded size evenly (heads, key/value heads, MLP width, vocabulary), as training requires.
-    sizes = (model.n_heads, model.n_kv_heads, model.ffn_hidden, model.vocab_size)
+    # Tensor parallelism stays inside a node (its collectives run every layer) and must split the heads,
+    # key/value heads and MLP width evenly, as training requires (the vocabulary is padded instead).
+    sizes = (model.n_heads, model.n_kv_heads, model.ffn_hidden)
     return [t for t in _divisors(math.gcd(world, per_node)) if all(s % t == 0 for s in sizes)]
 
 

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshfit.models.config import pad_vocab_for_tp
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
@@ -165,7 +166,7 @@ def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: in
     n_ar = blocks * per_block + embed * has_embed + has_head
     t = n_ar * _ring(tp, mb_tokens * model.dim * cbytes, link, phases=2)
     if has_head and not layout.loss_parallel:  # vocab-sharded logits are gathered for the loss
-        t += _ring(tp, mb_tokens * model.vocab_size * cbytes, link)
+        t += _ring(tp, mb_tokens * model.padded_vocab * cbytes, link)
     return t
 
 
@@ -242,6 +243,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     pipeline has more stages than the model has layers.
     """
     local, m = _check(layout, workload, cluster, efficiency, dp_overlap)
+    model = pad_vocab_for_tp(model, layout.tp)  # as training builds it
     precision, s, tp, pp = workload.precision, workload.seq_len, layout.tp, layout.pp
     fpt, layer, head, core, n_params = _model_terms(model, s)
     gpu = cluster.gpu

@@ -73,7 +73,7 @@ def _marker_info(run: Any, step: int) -> dict[str, Any]:
     return {"step": step, "time": time.time(), "world_size": run.env.world_size,
             "layout": run.shape.dims.describe(), "zero_stage": run.shape.zero_stage,
             "model": run.cfg.model.model_dump(exclude={"init_from"}),
-            "model_config": dataclasses.asdict(run.cfg.model.resolve()),
+            "model_config": dataclasses.asdict(run.shape.model),
             "train": {"global_batch": run.cfg.train.global_batch, "seq_len": run.cfg.train.seq_len}}
 
 
@@ -229,8 +229,11 @@ class Checkpointer:
 
 
 def _check_compatible(folder: Path, marker: dict[str, Any], run: Any) -> None:
-    saved = marker.get("model_config", {})
-    now = dataclasses.asdict(run.cfg.model.resolve())
+    # Fields added since a checkpoint was written take their defaults (e.g. no vocabulary padding).
+    defaults = {f.name: f.default for f in dataclasses.fields(type(run.shape.model))
+                if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **marker.get("model_config", {})}
+    now = dataclasses.asdict(run.shape.model)
     diff = [f"model.{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
     if diff:
         raise CheckpointError(f"checkpoint {folder} holds another model; set the model section as saved:\n  "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -20,6 +20,7 @@ from meshfit.models import ModelConfig, build_model
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.parallelize import parallelize
 from meshfit.parallel.pipeline import build_schedule, cut_stage, make_stage
+from meshfit.train.loss import lm_loss
 from meshfit.train.shape import RunShape
 
 
@@ -30,11 +31,6 @@ class Pipe:
     first: bool  # this rank runs stage 0 (it feeds the inputs)
     last: bool  # this rank runs the last stage (it computes the loss)
     group: Any  # the pipeline process group
-
-
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of one micro-batch (the schedule scales gradients by 1/micro-batches)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig, device: torch.device,
@@ -55,7 +51,9 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
                                    materialize=materialize))
     group = meshes.world["pp"].get_group()
     stages = [make_stage(m, sid, plan.n_stages, device, group) for m, sid in zip(modules, ids, strict=True)]
-    schedule = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, pipeline_loss)
+    # The mean loss of one micro-batch (the schedule scales gradients by 1/micro-batches).
+    loss_fn = functools.partial(lm_loss, vocab_size=model_cfg.vocab_size)
+    schedule = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, loss_fn)
     return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids, group)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshfit.config import Config, ConfigError
 from meshfit.models import ModelConfig
+from meshfit.models.config import pad_vocab_for_tp
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline import StagePlan, plan_stages
 from meshfit.parallel.rules import default_zero_stage, layout_error
@@ -26,6 +27,7 @@ class RunShape:
     accum_steps: int  # micro-batches per optimizer step
     zero_stage: int  # resolved: 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters
     mixed_precision: bool  # bf16 compute with fp32 master weights (parallel.mixed_precision or train.precision)
+    model: ModelConfig  # the model as built: with its vocabulary padded for tensor parallelism
     stages: StagePlan | None = None  # pipeline stages (pp > 1)
     microbatches: int = 1  # pipeline micro-batches per optimizer step
 
@@ -103,6 +105,19 @@ def _check_data(cfg: Config, vocab_size: int) -> None:
         )
 
 
+def _padded(cfg: Config, model: ModelConfig, tp: int) -> ModelConfig:
+    """The vocabulary padded to a multiple of tp, unless model.pad_vocab_to was set (then tp must divide the
+    padded size: a fixed padding keeps checkpoints loadable under every layout that divides it)."""
+    if cfg.model.pad_vocab_to is None:
+        return pad_vocab_for_tp(model, tp)
+    if model.padded_vocab % tp:
+        fits = [m for m in (tp, 2 * tp, 64, 128, 256) if m % tp == 0]
+        raise ConfigError(f"model.pad_vocab_to={model.pad_vocab_to} pads the vocabulary to {model.padded_vocab} "
+                          f"rows, which parallel.tp={tp} does not divide; use a multiple of {tp} "
+                          f"(e.g. {', '.join(map(str, fits))}) or leave it unset to pad to a multiple of tp")
+    return model
+
+
 def resolve_run(cfg: Config, world_size: int) -> RunShape:
     """Validate `cfg` for `world_size` ranks; raises ConfigError with the field and valid choices."""
     p = cfg.parallel
@@ -120,6 +135,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     stage = _layout(cfg, dims)
     if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len, p.sp)):
         raise ConfigError(error)
+    model = _padded(cfg, model, dims.tp)
     stages, microbatches = None, 1
     if dims.pp > 1:
         local = _batch_shape(cfg, dims, None)[0]
@@ -129,4 +145,4 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         local, micro, accum = _batch_shape(cfg, dims, cfg.train.micro_batch)
     mixed = cfg.parallel.mixed_precision or cfg.train.precision == "bf16"
     return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum, zero_stage=stage,
-                    mixed_precision=mixed, stages=stages, microbatches=microbatches)
+                    mixed_precision=mixed, model=model, stages=stages, microbatches=microbatches)

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.fsdp import FSDPModule
@@ -36,7 +35,9 @@ from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.faults import Faults, StopRequest, Watchdog
+from meshfit.train.grad_norm import clip_grad_norm
 from meshfit.train.guard import StepGuard
+from meshfit.train.loss import lm_loss
 from meshfit.train.metrics import MetricsLog, mfu, peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
 from meshfit.train.pipelined import Pipe, build_pipeline, pipeline_step
@@ -72,7 +73,7 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
     run passes a FakeTensorMode, so that the device mesh and the layout are built outside it."""
     shape = resolve_run(cfg, env.world_size)
     meshes = shape.dims.build_mesh(env.device.type)
-    model_cfg = cfg.model.resolve()
+    model_cfg = shape.model
     torch.manual_seed(cfg.train.seed)
     weights = _starting_weights(cfg, model_cfg)
     pipe = None
@@ -128,7 +129,7 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
         with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
             with _autocast(run):
                 logits = run.model(inputs.to(run.env.device))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(run.env.device).flatten())
+            loss = lm_loss(logits, targets.to(run.env.device), run.shape.model.vocab_size)
             run.tracker.phase = "backward"
             (loss / run.shape.accum_steps).backward()
         if isinstance(loss, DTensor):
@@ -168,35 +169,6 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     run.optimizer.zero_grad(set_to_none=not _ddp(run) or (run.launch_steps == 0 and not accumulating))
     run.launch_steps += 1
     return grad_norm
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
-    """Global L2 norm of all gradients (sharded ones included), clipped to max_norm when max_norm > 0.
-
-    Gradients may be plain tensors and DTensors on different meshes (e.g. tensor-parallel weights next to
-    replicated norms): each group's norm is reduced to a full value before they are combined. With
-    pipeline parallelism each rank holds other layers: the squares are summed across the pipeline.
-    """
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p.grad)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
-    if pp_group is not None:
-        square = total.square()
-        dist.all_reduce(square, group=pp_group)
-        total = square.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grads in groups.values():
-            # Scale the local shards in place: one coefficient for every gradient, sharded or not.
-            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
-    return total
 
 
 def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
