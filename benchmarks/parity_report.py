@@ -18,6 +18,8 @@ BASE = ["model.preset=tiny", "train.steps=10", "train.global_batch=8", "train.se
 LAYOUTS = {
     "ddp": (2, ["parallel.dp_replicate=2"]),
     "zero1": (2, ["parallel.dp_shard=2", "parallel.zero_stage=1"]),
+    "zero1 accum": (2, ["parallel.dp_shard=2", "parallel.zero_stage=1", "train.micro_batch=1"]),
+    "zero2 accum": (2, ["parallel.dp_shard=2", "parallel.zero_stage=2", "train.micro_batch=1"]),
     "zero2": (2, ["parallel.dp_shard=2", "parallel.zero_stage=2"]),
     "zero3": (2, ["parallel.dp_shard=2", "parallel.zero_stage=3"]),
     "zero3+ac": (2, ["parallel.dp_shard=2", "parallel.activation_checkpointing=full"]),
@@ -28,6 +30,9 @@ LAYOUTS = {
     "tp gpt (tied)": (2, ["model.preset=tiny-gpt", "parallel.tp=2", "parallel.sp=true",
                           "parallel.loss_parallel=true"]),
     "tp2 x dp_shard2": (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.sp=true"]),
+    "tp2 x ddp2": (4, ["parallel.tp=2", "parallel.dp_replicate=2", "parallel.sp=true"]),
+    "tp2 x zero1 dp2": (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=1", "parallel.sp=true"]),
+    "hsdp 2x2 x tp2": (8, ["parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.sp=true"]),
     **{f"pp {name}": (2, ["model.n_layers=4", "parallel.pp=2", f"pipeline.schedule={name}",
                           "pipeline.microbatches=4"])
        for name in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")},
@@ -36,7 +41,15 @@ LAYOUTS = {
     "3d pp2 x fsdp2 x tp2": (8, ["model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
                                  "parallel.sp=true", "parallel.loss_parallel=true",
                                  "pipeline.schedule=interleaved-1f1b"]),
+    "3d pp2 x zero1 dp2 x tp2": (8, ["model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2",
+                                     "parallel.zero_stage=1", "parallel.tp=2", "parallel.sp=true"]),
+    # GPT's 50,257-token vocabulary: tp = 2 pads it to 50,258 rows (seq 64, global batch 4).
+    "gpt3-125m tp2": (2, ["model.preset=gpt3-125m", "train.global_batch=4", "parallel.tp=2"]),
+    "gpt3-125m tp2+sp": (2, ["model.preset=gpt3-125m", "train.global_batch=4", "parallel.tp=2",
+                             "parallel.sp=true", "parallel.loss_parallel=true"]),
     "zero3 bf16": (2, ["parallel.dp_shard=2", "parallel.mixed_precision=true"]),
+    "zero1 bf16 accum": (2, ["parallel.dp_shard=2", "parallel.zero_stage=1", "train.micro_batch=1",
+                             "parallel.mixed_precision=true"]),
     "ddp bf16 autocast": (2, ["parallel.dp_replicate=2", "train.precision=bf16"]),
 }
 
@@ -55,8 +68,8 @@ def main() -> None:
     print(f"{'layout':24s} ranks  max|Δloss|   max|Δgrad-norm|")
     for name in chosen:
         nproc, overrides = LAYOUTS[name]
-        # Each layout is compared with one process running the same model (the preset, if overridden).
-        model = [o for o in overrides if o.startswith("model.")]
+        # Each layout is compared with one process running the same model and global batch.
+        model = [o for o in overrides if o.startswith(("model.", "train.global_batch"))]
         key = ",".join(model)
         if key not in refs:
             refs[key] = run_ranks(job, 1, BASE + model + ["train.log_every=1000"])[0]

@@ -402,3 +402,28 @@ def test_validate_names_field_and_valid_values(cfg: ModelConfig, pattern: str) -
 def test_unknown_preset_lists_valid_names() -> None:
     with pytest.raises(ValueError, match=r"unknown model preset 'nope'.*tiny, tiny-gpt.*llama3-405b"):
         get_preset("nope")
+
+
+def test_padded_vocabulary_keeps_the_real_rows_and_masks_the_padding():
+    import dataclasses
+
+    from meshfit.models.config import pad_vocab_for_tp
+    from meshfit.models.init import strip_padding
+    from meshfit.train.loss import lm_loss
+
+    cfg = dataclasses.replace(get_preset("tiny-gpt"), vocab_size=257)
+    padded = pad_vocab_for_tp(cfg, 4)
+    assert (padded.padded_vocab, pad_vocab_for_tp(padded, 2)) == (260, padded)  # 4 also serves tp = 2
+    plain, wide = build_model(cfg, "cpu"), build_model(padded, "cpu")
+    init_weights(plain, seed=3, cfg=cfg)
+    init_weights(wide, seed=3, cfg=padded)
+    table = wide.tok_embeddings.weight.detach()
+    assert torch.equal(table[:257], plain.tok_embeddings.weight.detach()) and not table[257:].any()
+    tokens = torch.randint(0, 257, (2, 16))
+    loss_plain = lm_loss(plain(tokens), tokens, 257)
+    loss_wide = lm_loss(wide(tokens), tokens, 257)
+    assert torch.allclose(loss_plain, loss_wide, atol=1e-6)
+    loss_wide.backward()
+    assert not wide.tok_embeddings.weight.grad[257:].any()  # padded rows never learn
+    stripped = strip_padding(dict(wide.named_parameters()), padded)
+    assert stripped["tok_embeddings.weight"].shape[0] == 257

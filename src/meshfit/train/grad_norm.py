@@ -35,7 +35,8 @@ def _dtensor_square_sum(grads: list[DTensor]) -> torch.Tensor:
     total = sum((_square_sum(g.to_local()) for g in grads), torch.zeros((), dtype=torch.float64,
                                                                         device=grads[0].to_local().device))
     for mesh_dim, placement in enumerate(placements):
-        if placement.is_shard():  # each rank of this mesh dimension holds another part
+        # Each rank of a sharded mesh dimension holds another part (FSDP × TP's strided shards included).
+        if not isinstance(placement, Replicate):
             dist.all_reduce(total, group=mesh.get_group(mesh_dim))
     return total
 
