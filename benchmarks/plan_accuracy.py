@@ -35,6 +35,9 @@ SMALL_CASES = [
     ("pp 2 interleaved", Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=2)),
     ("pp 2 zbv", Layout(pp=2, schedule="zbv", virtual_stages=2)),
     ("3d pp2·fsdp2·tp2", Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True)),
+    ("zero1 2 × tp 2 + sp", Layout(dp_shard=2, zero_stage=1, tp=2, sp=True)),
+    ("ddp 2 × tp 2 + sp", Layout(dp_replicate=2, tp=2, sp=True)),
+    ("3d pp2·zero1 2·tp2", Layout(pp=2, dp_shard=2, tp=2, zero_stage=1, sp=True)),
 ]
 SCALE_CASES = [
     ("llama3-8b", "zero3 ×64", Layout(dp_shard=64, zero_stage=3), Workload(seq_len=2048, global_batch=64)),
@@ -43,6 +46,8 @@ SCALE_CASES = [
     ("llama3-8b", "fsdp 8 × tp 8 + sp", Layout(dp_shard=8, tp=8, zero_stage=3, sp=True, loss_parallel=True),
      Workload(seq_len=4096, global_batch=64)),
     ("llama3-8b", "pp 4 × fsdp 16", Layout(pp=4, dp_shard=16, zero_stage=3), Workload(seq_len=2048, global_batch=128)),
+    ("llama3-8b", "zero1 2 × tp 2 + sp × pp 2", Layout(dp_shard=2, zero_stage=1, tp=2, sp=True, pp=2),
+     Workload(seq_len=4096, global_batch=32)),
     ("llama3-70b", "zero3 ×256", Layout(dp_shard=256, zero_stage=3), Workload(seq_len=2048, global_batch=256)),
     ("llama3-70b", "fsdp 32 × tp 8 + sp, AC", Layout(dp_shard=32, tp=8, zero_stage=3, sp=True, loss_parallel=True,
                                                    activation_checkpointing="full"),
