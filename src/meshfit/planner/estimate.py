@@ -262,9 +262,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # The root unit stays gathered through forward and backward. Stage 3 holds the current block and
         # the prefetched next one; stages 1 and 2 keep every block from its forward to its backward. In
         # backward a block's unsharded gradients exist until reduce-scattered.
-        blocks = share.layers if keep else min(2, share.layers)
-        # Replicas in fp32 compute on their whole "shards": FSDP2 gathers no copies.
-        copies = 0.0 if (_kind(layout) == "replicas" and c_bytes == 4) else 1.0
+        # Replicas of tensor-parallel weights hold one gathered copy of a block at a time (measured).
+        blocks = share.layers if keep else min(1 if _kind(layout) == "replicas" else 2, share.layers)
+        copies = 1.0
         gathered = (share.root_params + blocks * share.block_params) * c_bytes * copies
         # At the loss stage 3 holds the root and at most one block (the last one is re-sharded after its
         # forward; backward gathers it again).
