@@ -293,3 +293,14 @@ def test_multi_stage_counts_follow_torch_op_order():
         for rank in range(pp):
             torch_peak = _peak_alive(_torch_rank_ops(name, pp, m, v, rank))
             assert pipeline_in_flight_microbatches(name, pp, rank, m, virtual=v) == torch_peak, (name, pp, m, v, rank)
+
+
+def test_cuda_device_names_map_to_the_catalog():
+    # MFU on a real GPU reads the same datasheet peak the planner uses.
+    from meshfit.planner.hardware import gpu_for_device
+
+    assert gpu_for_device("NVIDIA H100 80GB HBM3").name == "H100-SXM"
+    assert gpu_for_device("NVIDIA H100 PCIe").name == "H100-PCIe"
+    assert gpu_for_device("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
+    assert gpu_for_device("NVIDIA H200").bf16_flops == gpu_for_device("NVIDIA H100 80GB HBM3").bf16_flops
+    assert gpu_for_device("Some other accelerator") is None

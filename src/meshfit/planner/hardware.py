@@ -100,6 +100,17 @@ def get_gpu(name: str) -> GPU:
     return gpu
 
 
+# Substrings of torch.cuda.get_device_name() -> catalog entry, most specific first.
+_DEVICE_NAMES = (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("B200", "B200"),
+                 ("A100-SXM4-40GB", "A100-40GB"), ("A100-PCIE-40GB", "A100-40GB"), ("A100", "A100-80GB"),
+                 ("MI300X", "MI300X"), ("L40S", "L40S"), ("RTX 4090", "RTX-4090"))
+
+
+def gpu_for_device(device_name: str) -> GPU | None:
+    """The catalog entry of a device as torch names it (e.g. "NVIDIA H100 80GB HBM3"), or None."""
+    return next((_BY_KEY[_key(entry)] for part, entry in _DEVICE_NAMES if part in device_name), None)
+
+
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` machines with ``gpus_per_node`` identical GPUs each.

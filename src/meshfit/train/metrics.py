@@ -18,12 +18,6 @@ import torch
 from meshfit.units import fmt_bytes
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity).
-_GPU_PEAK_BF16 = {
-    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12,
-    "L40S": 362e12, "RTX 4090": 165e12, "MI300X": 1307e12,
-}
-
-
 def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
     """Achievable fp32 matmul FLOP/s of this process's threads: the CPU has no datasheet peak to use."""
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -41,11 +35,11 @@ def peak_flops(device: torch.device, configured: float | None) -> float | None:
         return configured
     if device.type == "cpu":
         return measure_cpu_flops()
-    name = torch.cuda.get_device_name(device)
-    for key, flops in _GPU_PEAK_BF16.items():
-        if key in name:
-            return flops
-    return None
+    # The planner's GPU catalog holds the datasheet peaks (one table for planning and MFU).
+    from meshfit.planner.hardware import gpu_for_device
+
+    gpu = gpu_for_device(torch.cuda.get_device_name(device))
+    return gpu.bf16_flops if gpu else None
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: float | None) -> float | None:
