@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install meshfit with its test tools, then run the whole test suite (about 10 minutes on 2 cores).
+# Install meshfit with its test tools, then run the whole test suite (about 15 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
