@@ -38,10 +38,11 @@ def test_every_schedule_matches_one_process(schedule):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", ["1", "3"])
-def test_pipeline_with_sharded_data_parallel(zero):
-    ranks = run_ranks(train_job, 4, parity_config(FOUR_LAYERS, "parallel.pp=2", "parallel.dp_shard=2",
-                                                  f"parallel.zero_stage={zero}"))
+@pytest.mark.parametrize("data_parallel", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero_stage=1"],
+                                           ["parallel.dp_shard=2", "parallel.zero_stage=3"]],
+                         ids=["ddp", "zero1", "zero3"])
+def test_pipeline_with_data_parallel(data_parallel):
+    ranks = run_ranks(train_job, 4, parity_config(FOUR_LAYERS, "parallel.pp=2", *data_parallel))
     _check_parity(ranks[0])
 
 
