@@ -264,11 +264,10 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # backward a block's unsharded gradients exist until reduce-scattered.
         # Replicas of tensor-parallel weights hold one gathered copy of a block at a time (measured).
         blocks = share.layers if keep else min(1 if _kind(layout) == "replicas" else 2, share.layers)
-        copies = 1.0
-        gathered = (share.root_params + blocks * share.block_params) * c_bytes * copies
+        gathered = (share.root_params + blocks * share.block_params) * c_bytes
         # At the loss stage 3 holds the root and at most one block (the last one is re-sharded after its
         # forward; backward gathers it again).
-        gathered_loss = (share.root_params + (blocks if keep else 1) * share.block_params) * c_bytes * copies
+        gathered_loss = (share.root_params + (blocks if keep else 1) * share.block_params) * c_bytes
         unit_grads = share.block_params * c_bytes
         if mode == "bf16":
             # Measured with 16-bit compute: either the last block's backward starts (gradient temporaries

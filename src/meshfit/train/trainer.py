@@ -20,8 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -31,6 +29,7 @@ from meshfit.memory.tracker import limit_cuda_memory, make_tracker
 from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.data_parallel import set_micro_batch
+from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
@@ -112,7 +111,7 @@ def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager:
     # FSDP computes in bf16 through its own parameter casting; DDP replicas use autocast.
-    if run.shape.mixed_precision and not _fsdp(run):
+    if run.shape.mixed_precision and _kind(run) in ("none", "ddp"):
         return torch.autocast(run.env.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -137,14 +136,13 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     return loss.detach()
 
 
-def _fsdp(run: Run) -> bool:
-    modules = list(run.model) if run.pipe is not None else [run.model]
-    return any(isinstance(m, FSDPModule) for m in modules)
+def _kind(run: Run) -> str:
+    dims = run.shape.dims
+    return data_parallel_kind(run.shape.zero_stage, dims.dp, dims.tp)
 
 
 def _ddp(run: Run) -> bool:
-    return isinstance(run.model, DistributedDataParallel) or (
-        run.pipe is not None and any(isinstance(m, DistributedDataParallel) for m in run.model))
+    return _kind(run) == "ddp"
 
 
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None) -> torch.Tensor:
