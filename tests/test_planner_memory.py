@@ -152,7 +152,8 @@ def test_variants_move_the_right_way(s, b, h, a, t, sp):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"recompute": "some"}, "none, selective, full"),
-    ({"attention": "sdpa"}, "eager, flash"),
+    ({"attention": "sdpa"}, "flash, eager"),
+    ({"family": "t5"}, "gpt, llama"),
     ({"t": 0}, "t=0"),
     ({"bytes_per_value": 0}, "bytes_per_value"),
 ])

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.schedules import SCHEDULES
 from meshfit.units import parse_bytes
 
@@ -48,6 +49,8 @@ class ModelSection(_Section):
     # Pad the vocabulary to a multiple of this (tensor parallelism splits it by rows). Unset: padded to a
     # multiple of parallel.tp only when tp does not divide it.
     pad_vocab_to: int | None = None
+    # Attention kernel: flash (torch's fused scaled_dot_product_attention) or eager (scores materialised).
+    attention: str | None = None  # checked by ModelConfig.validate
     # Start from these weights instead of random ones: a folder (or file) of Hugging Face-style
     # safetensors, as `meshfit export` writes. Shapes must match the model above.
     init_from: str | None = None
@@ -88,7 +91,7 @@ class ParallelSection(_Section):
     zero_stage: int | None = None
     offload: bool = False  # sharded parameters, gradients and optimizer states live in host memory
     mixed_precision: bool = False  # bf16 compute, fp32 master weights and reductions
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: str = "none"  # one of parallel/recompute.py's AC_MODES
     ac_every: int = 2  # selective: checkpoint every ac_every-th transformer block
     sp: bool = False  # sequence parallelism for norms, dropout and the residual stream (needs tp > 1)
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (needs tp > 1)
@@ -100,6 +103,13 @@ class ParallelSection(_Section):
     def _stage(cls, value: int | None) -> int | None:
         if value is not None and value not in (0, 1, 2, 3):
             raise ValueError("must be 0 (DDP), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters, FSDP)")
+        return value
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _ac(cls, value: str) -> str:
+        if value not in AC_MODES:
+            raise ValueError(f"must be one of {', '.join(repr(m) for m in AC_MODES)}")
         return value
 
     @field_validator("ac_every")

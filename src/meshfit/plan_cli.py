@@ -11,8 +11,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from meshfit.models.config import ATTENTIONS
+from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.hardware import GPUS, Cluster, get_gpu
-from meshfit.planner.layout import (AC_MODES, ATTENTIONS, OPTIMIZERS, PRECISIONS, Workload, parse_assignments,
+from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Workload, parse_assignments,
                                     parse_layout)
 from meshfit.units import fmt_bytes, parse_bytes
 

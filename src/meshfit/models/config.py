@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass, replace
 
 FAMILIES = ("llama", "gpt")
+# Attention kernels: "flash" runs torch's fused scaled_dot_product_attention (it keeps a log-sum-exp per
+# head and query), "eager" materialises the scores (softmax output, dropout mask and output are kept).
+ATTENTIONS = ("flash", "eager")
 
 
 def _divisors(n: int) -> list[int]:
@@ -46,6 +49,8 @@ class ModelConfig:
     # The embedding and head tables hold the vocabulary rounded up to a multiple of this (tensor
     # parallelism splits them by rows); the padded rows are zero and their logits never count.
     pad_vocab_to: int = 1
+    # Attention kernel (models/layers.py): "flash" (torch's fused SDPA) or "eager" (scores materialised).
+    attention: str = "flash"
 
     @property
     def head_dim(self) -> int:
@@ -82,6 +87,8 @@ class ModelConfig:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.norm_eps <= 0:
             raise ValueError(f"model.norm_eps={self.norm_eps} must be > 0")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention={self.attention!r}; valid: {', '.join(ATTENTIONS)}")
         if self.family == "llama":
             self._validate_llama()
         else:

@@ -9,10 +9,10 @@ be ``None`` for pipeline stages.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import ModelConfig
+from meshfit.models.layers import AttentionCore, Dropout
 from meshfit.models.tying import TiedHead
 
 
@@ -20,19 +20,18 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
         self.wq = nn.Linear(cfg.dim, cfg.dim)
         self.wk = nn.Linear(cfg.dim, cfg.dim)
         self.wv = nn.Linear(cfg.dim, cfg.dim)
         self.wo = nn.Linear(cfg.dim, cfg.dim)
+        self.core = AttentionCore(cfg.dropout, cfg.attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         bs, seqlen = q.shape[:2]
         # -1: local head count, which tensor parallelism divides by its degree.
         q, k, v = (t.view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        dropout_p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -54,7 +53,7 @@ class GPTBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
-        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.resid_drop(self.attention(self.attention_norm(x)))
@@ -75,7 +74,7 @@ class GPT(TiedHead):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.padded_vocab, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): GPTBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import ModelConfig
+from meshfit.models.layers import AttentionCore, RMSNorm
 from meshfit.models.tying import TiedHead
 
 
@@ -71,6 +72,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = AttentionCore(0.0, cfg.attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -81,13 +83,7 @@ class Attention(nn.Module):
         v = v.view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            # Explicit repeat rather than enable_gqa: every SDPA backend
-            # (flash, memory-efficient, cuDNN) accepts equal head counts.
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -107,9 +103,9 @@ class FeedForward(nn.Module):
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,7 +127,7 @@ class Llama(TiedHead):
         self.tok_embeddings = nn.Embedding(cfg.padded_vocab, cfg.dim)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         self.tie_weights()
 

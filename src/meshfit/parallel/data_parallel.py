@@ -18,6 +18,8 @@ With dp_replicate > 1 the sharded state is replicated across dp_replicate groups
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -66,21 +68,27 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     # Stage 0 (replicas of tensor-parallel weights): the gathered compute copies are freed after each
     # block, as at stage 3; the "shards" are whole.
-    kwargs = dict(mesh=mesh, reshard_after_forward=stage in (0, 3), mp_policy=precision_policy(stage, mixed_precision),
-                  offload_policy=policy)
+    mp_policy = precision_policy(stage, mixed_precision)
+    kwargs = dict(mesh=mesh, reshard_after_forward=stage in (0, 3), offload_policy=policy)
+    # Blocks take 16-bit hidden states from the embedding or the block before; casting their other inputs
+    # would make a 16-bit copy of Llama's fp32 RoPE tables in every block (and rotate in 16 bits).
+    block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for block in model.layers.values():
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mp_policy=block_policy, **kwargs)
+    fully_shard(model, mp_policy=mp_policy, **kwargs)
 
 
 def set_micro_batch(model: nn.Module, stage: int, last: bool) -> None:
     """Before a micro-batch's forward: what FSDP does after its backward (stages 1-3).
 
     Stages 1 and 2 keep the gathered weights until the last micro-batch (one all-gather per step, as
-    DeepSpeed keeps its 16-bit weights); stage 1 also skips the gradient reduction until then.
+    DeepSpeed keeps its 16-bit weights); stage 1 and stage-0 replicas also skip the gradient reduction
+    until then.
     """
-    if not isinstance(model, FSDPModule) or stage in (0, 3):
+    if not isinstance(model, FSDPModule) or stage == 3:
         return
-    model.set_reshard_after_backward(last)
-    if stage == 1:
+    if stage != 0:
+        model.set_reshard_after_backward(last)
+    if stage <= 1:
+        # Stage-0 replicas reduce once per step, as DDP does under no_sync.
         model.set_requires_gradient_sync(last)

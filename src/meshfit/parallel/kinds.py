@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-# none: one data-parallel rank; ddp: torch's DistributedDataParallel (stage 0); replicas: FSDP2 over the
-# replicate dimension alone, for stage-0 replicas of tensor-parallel (DTensor) weights, which DDP cannot
-# take; fsdp: FSDP2 sharding over dp_shard (stages 1-3, HSDP).
+# none: one data-parallel rank in fp32; ddp: torch's DistributedDataParallel (stage 0 in fp32); replicas:
+# FSDP2 over the replicate dimension alone (whole "shards"), for stage-0 replicas of tensor-parallel
+# (DTensor) weights, which DDP cannot take, and for every stage-0 layout under mixed precision, so that
+# blocks compute on 16-bit weights and keep 16-bit activations (MixedPrecisionPolicy) rather than running
+# under autocast with an fp32 residual stream; fsdp: FSDP2 sharding over dp_shard (stages 1-3, HSDP).
 KINDS = ("none", "ddp", "replicas", "fsdp")
 
 
-def data_parallel_kind(zero_stage: int, dp: int, tp: int) -> str:
+def data_parallel_kind(zero_stage: int, dp: int, tp: int, mixed_precision: bool) -> str:
     """The building block for ``zero_stage`` with ``dp`` data-parallel and ``tp`` tensor-parallel ranks."""
     if zero_stage >= 1:
         return "fsdp"
+    if mixed_precision:
+        return "replicas"
     if dp == 1:
         return "none"
     return "replicas" if tp > 1 else "ddp"

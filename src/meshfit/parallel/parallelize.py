@@ -1,7 +1,8 @@
 """parallelize(): the one place that turns a plain single-device model into the configured layout.
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
-tensor parallelism (DTensor) -> activation checkpointing -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize
+tensor parallelism (DTensor) -> activation checkpointing (and, under sequence parallelism, re-gathering
+in backward) -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize
 (identical full weights in every layout) -> DDP for the replicated stage 0.
 """
 
@@ -15,11 +16,12 @@ from torch import nn
 
 from meshfit.config import ParallelSection
 from meshfit.models import ModelConfig, init_weights
-from meshfit.parallel.activation import apply_activation_checkpointing
+from meshfit.parallel.activation import apply_activation_checkpointing, keeps_block_graph
 from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.kinds import data_parallel_kind
-from meshfit.parallel.tensor_parallel import apply_tensor_parallel
+from meshfit.parallel.sp_regather import regather_in_backward
+from meshfit.parallel.tensor_parallel import apply_tensor_parallel, gathered_input_regions
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
@@ -37,7 +39,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
                               loss_parallel=parallel.loss_parallel)
     if parallel.activation_checkpointing != "none":
         apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
-    kind = data_parallel_kind(zero_stage, dims.dp, dims.tp)
+    if dims.tp > 1 and parallel.sp:
+        # Blocks that keep their graph keep only the sequence shard of their gathered inputs; checkpointed
+        # blocks keep nothing of them anyway.
+        for block in model.layers.values():
+            if keeps_block_graph(block):
+                for region, projections in gathered_input_regions(block, model_cfg.family):
+                    regather_in_backward(region, projections)
+    kind = data_parallel_kind(zero_stage, dims.dp, dims.tp, mixed_precision)
     # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
     if kind in ("fsdp", "replicas"):
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,

@@ -88,6 +88,15 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, 
         model.output.weight = model.tok_embeddings.weight
 
 
+def gathered_input_regions(block: nn.Module, family: str) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """Under sequence parallelism: each module of ``block`` whose input is all-gathered along the
+    sequence, with the column-parallel projections that read the gathered input."""
+    plan = _block_plan(family, sp=True)
+    return [(block.get_submodule(region), [block.get_submodule(name) for name, style in plan.items()
+                                           if name.startswith(f"{region}.") and isinstance(style, ColwiseParallel)])
+            for region in ("attention", "feed_forward")]
+
+
 def tp_degree_error(cfg: ModelConfig, tp: int, seq_len: int, sp: bool) -> str | None:
     """None if `tp` splits every sharded dimension evenly; else what it fails and the degrees that work.
 

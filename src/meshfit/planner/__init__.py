@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from meshfit.planner.hardware import GPU, GPUS, Cluster, get_gpu
 from meshfit.planner.memory import (
-    ATTENTION,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE,
@@ -20,7 +19,6 @@ from meshfit.planner.memory import (
 )
 
 __all__ = [
-    "ATTENTION",
     "GPU",
     "GPUS",
     "OPTIMIZERS",

@@ -1,43 +1,27 @@
 """What meshfit's transformer blocks keep for backward, per rank, in bytes: the planner's activation model.
 
-The coefficients below count the tensors autograd saves in one block of meshfit's own models (as torch's
-memory tracker sees them, one storage counted once), in three numeric modes:
+Two numeric modes: ``fp32``, and ``bf16``: mixed precision, where every layout computes on FSDP2's 16-bit
+weight copies (parallel/kinds.py), so every activation is 16-bit; pure bf16 is the same.
 
-* ``fp32``: everything in fp32.
-* ``bf16``: compute in bf16 — FSDP2's MixedPrecisionPolicy (the mixed-precision path of ZeRO-1/2/3) and
-  pure bf16 training both run the blocks on bf16 weights and activations.
-* ``autocast``: mixed precision of DDP and of one rank (torch.autocast over fp32 weights): the residual stream and
-  norm statistics stay fp32, matmul inputs are cast to bf16, and autocast's bf16 copies of every weight are
-  kept by the graph until backward (they count as activations).
+meshfit's blocks keep what Korthikanti et al. 2022 count (planner/memory.py's per-tensor terms, which also
+count the Llama block by their rule), because they are written to (models/layers.py): RMSNorm keeps its
+16-bit input alone, dropout a one-byte mask, grouped key/value heads are not repeated for the fused
+kernel, and under sequence parallelism the gathered projection inputs are gathered again in backward
+(parallel/sp_regather.py). On top of that count: LayerNorm's mean and reciprocal deviation per token.
+``benchmarks/block_activations.py`` measures these against torch's memory tracker on real blocks.
 
-Llama block (RMSNorm, RoPE, SwiGLU, SDPA), per token, with h = dim and f = ffn_hidden:
-  fp32:  RMSNorm input, normalised input and output for both norms (6 h-wide tensors), q, k, v and the
-         attention output (4, k and v after repeating grouped heads), 4 f-wide SwiGLU tensors → 40h + 16f.
-  bf16:  the same in 2 bytes, plus the fp32 upcast each RMSNorm keeps → 28h + 8f.
-  autocast: 34h + 8f, plus 2 bytes per weight.
-GPT block (LayerNorm, GeLU MLP, SDPA): fp32 32h + 8f; bf16 16h + 4f; autocast 24h + 4f + 2 bytes per weight.
-Small per-token terms: the attention log-sum-exp (4 bytes per head) and the norms' statistics.
-``tests/test_planner_estimate.py`` checks these against torch's memory tracker on real blocks.
-
-Tensor parallelism (Megatron) divides q, k, v, the attention output and the MLP tensors by t; sequence
-parallelism also divides the norm inputs and statistics, but the all-gathered inputs of the column-parallel
-projections (one per norm) stay full-size, as torch's DTensor keeps them for the weight gradients.
-Eager attention (scores materialised, Korthikanti et al. 2022) adds the softmax output, and with dropout its
-mask and output: ``a·s²·b·(p + 1 + p)`` per layer.
+Recompute policies (parallel/recompute.py): ``attention`` drops the attention core's terms; ``op`` keeps the
+block input and the outputs of every matmul, attention kernel and reduction (tensor parallelism's
+row-parallel matmuls produce full-size partial sums, kept next to their reduced output); a block
+checkpointed whole keeps its input.
 """
 
 from __future__ import annotations
 
 from meshfit.models.config import ModelConfig
+from meshfit.planner.memory import activation_bytes_per_layer
 
-MODES = ("fp32", "bf16", "autocast")
-# family -> mode -> (bytes per token per unit of dim, per unit of ffn_hidden, per block weight)
-_COEF = {
-    "llama": {"fp32": (40, 16, 0), "bf16": (28, 8, 0), "autocast": (34, 8, 2)},
-    "gpt": {"fp32": (32, 8, 0), "bf16": (16, 4, 0), "autocast": (24, 4, 2)},
-}
-_NORMS = {"llama": 2, "gpt": 2}  # norms per block
-_STATS = {"llama": 4, "gpt": 8}  # bytes of statistics per token per norm (rstd; mean + rstd)
+MODES = ("fp32", "bf16")
 
 
 def value_bytes(mode: str) -> int:
@@ -54,32 +38,45 @@ def block_weight_params(model: ModelConfig) -> int:
 
 
 def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1,
-                           sp: bool = False, attention: str = "flash", dropout: float = 0.0) -> float:
-    """Bytes one rank keeps for the backward of one block and one micro-batch of ``batch`` sequences."""
-    dim_coef, ffn_coef, weight_bytes = _COEF[model.family][mode]
+                           sp: bool = False, attention: str = "flash", dropout: float = 0.0,
+                           policy: str = "none") -> float:
+    """Bytes one rank keeps for the backward of one block and one micro-batch of ``batch`` sequences,
+    under recompute ``policy`` "none", "op" or "attention" (a block checkpointed whole: see
+    :func:`checkpointed_block_bytes`)."""
     p = value_bytes(mode)
     tokens = seq * batch
-    # q, k, v and the attention output: 4 dim-wide tensors of the compute dtype, split by heads.
-    heads_part = 4 * p
-    replicated = dim_coef - heads_part
-    gathered = 2 * p if sp else 0  # the full-size inputs of the column-parallel projections under SP
-    per_token = (replicated - gathered) / (tp if sp else 1) + gathered + heads_part / tp
-    total = tokens * model.dim * per_token
-    total += tokens * model.ffn_hidden * ffn_coef / tp
-    stats = _NORMS[model.family] * _STATS[model.family]
-    total += tokens * (stats / (tp if sp else 1) + 4 * model.n_heads / tp)
-    total += weight_bytes * block_weight_params(model) / tp
-    if attention == "eager" or (dropout > 0 and model.family == "gpt"):
-        # scores kept: softmax output, and with dropout its mask (1 byte) and output
-        per_score = p + ((1 + p) if dropout > 0 else 0)
-        total += model.n_heads / tp * seq * seq * batch * per_score
-    if dropout > 0 and model.family == "gpt":
-        total += 2 * tokens * model.dim / (tp if sp else 1)  # residual dropout masks, one byte each
+    seq_split = tp if sp else 1
+    if policy == "op":
+        return tokens * _op_kept_per_token(model, p, seq, tp, sp, attention)
+    gpt = model.family == "gpt"
+    total = activation_bytes_per_layer(
+        s=seq, b=batch, h=model.dim, a=model.n_heads, t=tp, sp=sp, bytes_per_value=p,
+        recompute="selective" if policy == "attention" else "none", dropout=gpt and dropout > 0,
+        attention=attention, family=model.family, ffn=model.ffn_hidden / model.dim,
+        kv=model.n_kv_heads / model.n_heads)
+    if gpt:
+        total += tokens * 2 * 2 * p / seq_split  # two LayerNorms' mean and reciprocal deviation
     return total
+
+
+def _op_kept_per_token(model: ModelConfig, p: int, seq: int, tp: int, sp: bool, attention: str) -> float:
+    h, heads = model.dim, model.n_heads
+    kv = model.n_kv_heads * model.head_dim
+    kept = p * h / (tp if sp else 1)  # the block input
+    kept += p * (h + 2 * kv) / tp  # q, k, v projections
+    if attention == "eager":
+        kept += p * heads * seq / tp + p * h / tp  # QKᵀ scores and the probabilities × V output
+    else:
+        kept += p * h / tp + 4 * heads / tp  # the fused kernel's output and log-sum-exp
+    up = 2 if model.family == "llama" else 1  # SwiGLU's gate and up projections
+    kept += p * up * model.ffn_hidden / tp
+    # Output projection and MLP down projection: their matmul outputs (full-size partial sums under
+    # TP), and under TP the reduced outputs as well (sequence-split under SP).
+    reduced = 0 if tp == 1 else p * h / (tp if sp else 1)
+    return kept + 2 * (p * h + reduced)
 
 
 def checkpointed_block_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1,
                              sp: bool = False) -> float:
-    """A checkpointed block keeps only its input: the residual stream (fp32 under autocast)."""
-    residual = 4 if mode in ("fp32", "autocast") else 2
-    return seq * batch * model.dim * residual / (tp if sp else 1)
+    """A block checkpointed whole keeps only its input: the residual stream (sequence-split under SP)."""
+    return seq * batch * model.dim * value_bytes(mode) / (tp if sp else 1)

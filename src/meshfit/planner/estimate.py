@@ -118,16 +118,13 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
     return tuple(shares)
 
 
-def _kind(layout: Layout) -> str:
-    return data_parallel_kind(layout.zero_stage, layout.dp, layout.tp)
+def _kind(layout: Layout, workload: Workload) -> str:
+    return data_parallel_kind(layout.zero_stage, layout.dp, layout.tp, workload.precision != "fp32")
 
 
-def _mode(workload: Workload, layout: Layout) -> str:
-    if workload.precision == "fp32":
-        return "fp32"
-    if workload.precision == "mixed" and _kind(layout) in ("none", "ddp"):
-        return "autocast"  # plain and DDP replicas: torch.autocast over fp32 weights
-    return "bf16"  # FSDP's MixedPrecisionPolicy or pure bf16
+def _mode(workload: Workload) -> str:
+    # Mixed precision computes on FSDP2's 16-bit weight copies whatever the layout (parallel/kinds.py).
+    return "fp32" if workload.precision == "fp32" else "bf16"
 
 
 def _reduce_bytes(workload: Workload, layout: Layout, c_bytes: int) -> int:
@@ -164,16 +161,20 @@ def _activations(model: ModelConfig, layout: Layout, workload: Workload, share: 
                  ) -> tuple[float, float]:
     """(saved activations of one micro-batch through ``share``'s layers, what backward adds on top).
 
-    With checkpointing, backward re-runs one checkpointed block at a time in full; while that block's
+    With checkpointed blocks, backward re-runs one checkpointed block at a time in full; while that block's
     gradients are computed its recomputed activations and the gradient temporaries (together about 1.45
-    blocks' activations, as measured with torch's tracker) are alive.
+    blocks' activations, as measured with torch's tracker) are alive. The "op" and "attention" policies
+    recompute, one block at a time, what they did not keep.
     """
     kw = dict(mode=mode, seq=workload.seq_len, batch=layout.micro_batch, tp=layout.tp, sp=layout.sp)
+    ac = layout.activation_checkpointing
     full = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, **kw)
-    if layout.activation_checkpointing == "none":
-        return share.layers * full, 0.0
+    if ac in ("none", "op", "attention"):
+        kept = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, policy=ac,
+                                      **kw)
+        return share.layers * kept, full - kept
     kept = checkpointed_block_bytes(model, **kw)
-    if layout.activation_checkpointing == "full":
+    if ac == "full":
         checkpointed = share.layers
     else:  # every 2nd block, as parallel.ac_every's default
         checkpointed = share.layers // 2
@@ -196,7 +197,7 @@ def _states(layout: Layout, workload: Workload, n: float) -> _States:
         return _States(0.0, 0.0, 0.0, 0.0)
     share = layout.dp_shard if layout.zero_stage >= 1 else 1
     grads = n * g_bytes / share
-    ddp = _kind(layout) == "ddp"
+    ddp = _kind(layout, workload) == "ddp"
     return _States(n * w_bytes / share, grads, n * states[workload.optimizer] / share, grads if ddp else 0.0)
 
 
@@ -212,12 +213,13 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
 def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int
             ) -> dict[str, tuple[float, float, float, float, float]]:
     """(params, grads, optim, activations, buffers) of one rank at each phase of a steady step."""
-    mode = _mode(workload, layout)
+    mode = _mode(workload)
+    kind = _kind(layout, workload)
     c_bytes = 4 if mode == "fp32" else 2
     stage, ds = layout.zero_stage, layout.dp_shard
     n = share.params
     # FSDP2 keeps gathered compute copies: sharding over dp_shard ranks, or replicas of TP weights.
-    fsdp = (stage >= 1 and ds > 1) or _kind(layout) == "replicas"
+    fsdp = (stage >= 1 and ds > 1) or kind == "replicas"
     keep = stage in (1, 2)  # gathered weights kept from forward to the last micro-batch's backward
     st = _states(layout, workload, n)
     params, optim, grads_full = st.params, st.optim, st.grads
@@ -232,8 +234,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     held = micro if (layout.pp > 1 and layout.schedule == "gpipe") else 1
     head = _head_bytes(model, layout, mode, tokens, held) if share.last else 0.0
     head_saved = _head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
-    # Stage 1 accumulates full, unreduced gradients until the last micro-batch (in the reduce dtype).
-    accumulated = n * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage == 1 and micro > 1) else 0.0
+    # Stage 1 and stage-0 replicas accumulate full, unreduced gradients until the last micro-batch (in the
+    # reduce dtype).
+    accumulated = n * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
     if layout.pp > 1:
         per_stage = act_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
@@ -251,7 +254,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     else:
         acts = act_mb + head
         grads_loss = accumulated or (grads_full if micro > 1 else 0.0)
-        if micro > 1 and layout.tp > 1 and share.last and (_kind(layout) == "none" or accumulated):
+        if micro > 1 and layout.tp > 1 and share.last and (kind == "none" or accumulated):
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
             g_bytes = c_bytes if accumulated else STATE_BYTES[workload.precision][1]
@@ -263,7 +266,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # the prefetched next one; stages 1 and 2 keep every block from its forward to its backward. In
         # backward a block's unsharded gradients exist until reduce-scattered.
         # Replicas of tensor-parallel weights hold one gathered copy of a block at a time (measured).
-        blocks = share.layers if keep else min(1 if _kind(layout) == "replicas" else 2, share.layers)
+        blocks = share.layers if keep else min(1 if kind == "replicas" else 2, share.layers)
         gathered = (share.root_params + blocks * share.block_params) * c_bytes
         # At the loss stage 3 holds the root and at most one block (the last one is re-sharded after its
         # forward; backward gathers it again).

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from meshfit.models.config import ATTENTIONS
+from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.rules import default_zero_stage, layout_error
 from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages
 
-AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "mixed", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
-ATTENTIONS = ("eager", "flash")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from meshfit.models.config import ATTENTIONS
 from meshfit.parallel.schedules import SCHEDULE_NAMES
 
 # precision -> (bytes per weight, bytes per gradient, {optimizer: optimizer-state bytes K per parameter}).
@@ -67,7 +68,6 @@ def model_state_bytes(
 # --- Activations -------------------------------------------------------------------------------------
 
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("eager", "flash")
 
 # How a saved tensor is divided across the t tensor-parallel ranks.
 _SEQ = "seq"  # replicated under plain TP; sequence parallelism splits it along the sequence (÷t)
@@ -75,27 +75,37 @@ _TP = "tp"  # inside a column/row-parallel region: split across heads or the MLP
 _CORE = "core"  # attention core (scores, softmax, its dropout): split by heads; selective recompute drops it
 
 
-def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, attention: str
+def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, attention: str,
+                   family: str = "gpt", ffn: Fraction = Fraction(4), kv: Fraction = Fraction(1)
                    ) -> dict[str, tuple[Fraction, str]]:
-    """Bytes each tensor saved for backward takes in one GPT layer before any splitting, and how it splits.
+    """Bytes each tensor saved for backward takes in one layer before any splitting, and how it splits.
 
-    Korthikanti et al. 2022, §4.1, with p = bytes per value (their 2) and 1-byte dropout masks.
+    Korthikanti et al. 2022, §4.1 (GPT), with p = bytes per value (their 2) and 1-byte dropout masks.
+    The Llama block is counted by the same rule (each op keeps the inputs its backward needs, shared
+    inputs once): RMSNorms keep their inputs, K and V are ``kv`` = kv_heads / heads wide, and SwiGLU keeps
+    the gate and up projections' outputs, the SiLU output and their product (4 tensors ``ffn`` = f/h
+    wide, where GPT's GeLU MLP keeps 2 of width 4h); no dropout.
     """
     sbh = Fraction(s * b * h)
+    gpt = family == "gpt"
     saved: dict[str, tuple[Fraction, str]] = {
-        # Attention block, 11sbh + 5as²b at p = 2 (with its dropout mask and the attention core below).
-        "ln1.input": (p * sbh, _SEQ),  # LayerNorm keeps its input
+        # Attention block, 11sbh + 5as²b for GPT at p = 2 (with its dropout mask and the core below).
+        "ln1.input": (p * sbh, _SEQ),  # the norm keeps its input
         "attn.qkv_input": (p * sbh, _SEQ),  # Q, K and V projections share one input
         "attn.q": (p * sbh, _TP),  # QKᵀ needs both operands
-        "attn.k": (p * sbh, _TP),
-        "attn.v": (p * sbh, _TP),  # the probabilities × V matmul needs V
+        "attn.k": (p * sbh * kv, _TP),
+        "attn.v": (p * sbh * kv, _TP),  # the probabilities × V matmul needs V
         "attn.proj_input": (p * sbh, _TP),  # output projection input (the attention context)
-        # MLP block, 19sbh at p = 2 (with its dropout mask).
+        # MLP block, 19sbh for GPT at p = 2 (with its dropout mask).
         "ln2.input": (p * sbh, _SEQ),
         "mlp.fc1_input": (p * sbh, _SEQ),
-        "mlp.gelu_input": (4 * p * sbh, _TP),  # 4h-wide first-linear output
-        "mlp.fc2_input": (4 * p * sbh, _TP),  # GeLU output
     }
+    if gpt:
+        saved["mlp.gelu_input"] = (ffn * p * sbh, _TP)  # 4h-wide first-linear output
+        saved["mlp.fc2_input"] = (ffn * p * sbh, _TP)  # GeLU output
+    else:
+        for name in ("gate_output", "silu_output", "up_output", "fc2_input"):
+            saved[f"mlp.{name}"] = (ffn * p * sbh, _TP)
     if dropout:
         # Dropout after the attention output projection and after the MLP keeps a one-byte mask each.
         saved["attn.dropout_mask"] = (sbh, _SEQ)
@@ -116,13 +126,18 @@ def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, a
 
 
 def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str,
-                     bytes_per_value: float, dropout: bool, attention: str) -> dict[str, Fraction]:
+                     bytes_per_value: float, dropout: bool, attention: str, family: str = "gpt",
+                     ffn: float = 4, kv: float = 1) -> dict[str, Fraction]:
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         _check_int(name, value, 1)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
-    if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r}; valid: {', '.join(ATTENTION)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r}; valid: {', '.join(ATTENTIONS)}")
+    if family not in ("gpt", "llama"):
+        raise ValueError(f"family={family!r}; valid: gpt, llama")
+    if family == "llama" and dropout:
+        raise ValueError("dropout=True: the Llama block has no dropout")
     if isinstance(bytes_per_value, bool) or not bytes_per_value > 0:
         raise ValueError(f"bytes_per_value={bytes_per_value!r} must be > 0")
     # Exact rational arithmetic, so that the sum equals the papers' closed forms exactly.
@@ -131,7 +146,8 @@ def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute
         # Only the layer input survives the forward; with SP it is the sequence-sharded residual stream.
         return {"layer_input": p * s * b * h / (t if sp else 1)}
     out = {}
-    for name, (size, split) in _saved_tensors(s, b, h, a, p, dropout, attention).items():
+    saved = _saved_tensors(s, b, h, a, p, dropout, attention, family, Fraction(ffn), Fraction(kv))
+    for name, (size, split) in saved.items():
         if split == _CORE and recompute == "selective":
             continue
         out[name] = size if split == _SEQ and not sp else size / t
@@ -140,7 +156,8 @@ def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute
 
 def activation_terms_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
-    bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager",
+    bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",
+    ffn: float = 4, kv: float = 1,
 ) -> dict[str, float]:
     """Per-rank bytes of each tensor one GPT transformer layer keeps for its backward (one micro-batch).
 
@@ -149,13 +166,15 @@ def activation_terms_per_layer(
     (Korthikanti et al.'s selective recomputation), so its terms are not kept; "full" keeps only the
     layer's input. The values add up to :func:`activation_bytes_per_layer`.
     """
-    terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention)
+    terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention, family, ffn,
+                             kv)
     return {name: float(value) for name, value in terms.items()}
 
 
 def activation_bytes_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
-    bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager",
+    bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",
+    ffn: float = 4, kv: float = 1,
 ) -> float:
     """Per-rank activation bytes one GPT-style transformer layer keeps for backward (one micro-batch).
 
@@ -171,8 +190,11 @@ def activation_bytes_per_layer(
     ``bytes_per_value`` scales every stored value (masks stay one byte), ``dropout=False`` removes the
     masks and the dropout outputs, ``attention="flash"`` replaces the 5as²b attention core by a
     4asb-byte fp32 log-sum-exp. Embeddings, the final norm, the head and the loss are not included.
+    ``family="llama"`` counts the Llama block by the same rule (see ``_saved_tensors``), with ``ffn`` =
+    ffn_hidden / h and ``kv`` = kv_heads / heads.
     """
-    terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention)
+    terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention, family, ffn,
+                             kv)
     return float(sum(terms.values(), Fraction(0)))
 
 

@@ -16,7 +16,8 @@ from meshfit.models.config import ModelConfig, num_params
 from meshfit.planner.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.hardware import Cluster
 from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
-from meshfit.planner.layout import AC_MODES, Layout, Workload
+from meshfit.parallel.recompute import AC_MODES
+from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.timing import StepTime, step_time
 from meshfit.units import fmt_bytes
 

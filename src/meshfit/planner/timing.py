@@ -178,14 +178,14 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
     FSDP gathers each block's weights in the compute dtype and reduce-scatters its gradients: stage 3
     gathers for every forward and backward and reduces every micro-batch; stage 2 keeps the gathered
     weights for the whole step (one gather) and reduces every micro-batch; stage 1 also reduces once per
-    step, in the compute dtype. HSDP all-reduces the reduced shard across replicas; stage-0 replicas of
-    tensor-parallel weights all-reduce every micro-batch. Under a pipeline schedule torch's stages skip
+    step, in the compute dtype. HSDP all-reduces the reduced shard across replicas; stage-0 replicas (of
+    tensor-parallel weights, or under mixed precision) all-reduce once per step, as DDP does. Under a pipeline schedule torch's stages skip
     the gradient sync and the post-backward reshard until the step's end, so gradients are reduced once,
     exposed, and stages 1/2 gather once per step, stage 3 once per warm-up forward (min(p, m)) and once per
     backward.
     """
     tp, shard, replicate = layout.tp, layout.dp_shard, layout.dp_replicate
-    kind = data_parallel_kind(layout.zero_stage, layout.dp, tp)
+    kind = data_parallel_kind(layout.zero_stage, layout.dp, tp, cbytes == 2)
     if kind in ("none", "ddp"):
         grads = rank_params * sbytes
         backward_last = ((compute_s - recompute_s) * 2.0 / 3.0 + recompute_s) / m
@@ -199,7 +199,7 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
               + _ring(replicate, rank_params * rbytes / shard, _link(cluster, tp * shard, replicate), 2, calls))
     if layout.pp == 1:
         gathers = 2 * m if layout.zero_stage in (0, 3) else 1
-        reductions = 1 if layout.zero_stage == 1 else m
+        reductions = 1 if layout.zero_stage <= 1 else m
         hidden, fixed = gathers * gather + reductions * reduce, 0.0
     else:
         gathers, reductions = (m + min(layout.pp, m)) if layout.zero_stage in (0, 3) else 1, 1
@@ -257,10 +257,13 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     share = (blocks * layer + head * has_head) / (model.n_layers * layer + head)
     core_r = blocks * core / tp  # attention-core forward FLOPs per token on this rank
     ac = layout.activation_checkpointing
-    # meshfit's "selective" checkpoints every second block in full (parallel.ac_every = 2).
-    rerun = {"full": 1.0, "selective": (blocks // 2) / max(1, blocks), "none": 0.0}[ac]
-    redo = rerun * blocks * layer / tp
-    redo_core = rerun * core_r
+    # Forward FLOPs re-run in backward. meshfit's "selective" checkpoints every second block in full
+    # (parallel.ac_every = 2); "attention" re-runs the attention core; "op" re-runs element-wise ops only,
+    # whose time (memory-bound, a few percent of a block) is not modelled.
+    rerun = {"full": 1.0, "selective": (blocks // 2) / max(1, blocks), "none": 0.0, "op": 0.0,
+             "attention": 0.0}[ac]
+    redo = rerun * blocks * layer / tp + (core_r if ac == "attention" else 0.0)
+    redo_core = (1.0 if ac == "attention" else rerun) * core_r
     slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
     rate = peak * efficiency
     tokens = local * s  # tokens of this rank's sequences per step

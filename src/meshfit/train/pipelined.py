@@ -58,18 +58,16 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
 
 
 def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
-                  use_loss_parallel: bool,
-                  autocast: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
+                  use_loss_parallel: bool) -> torch.Tensor:
     """Forward and backward of every micro-batch through the schedule; returns the mean loss on every
-    rank of the pipeline (only the last stage computes it). ``autocast``: mixed precision of replicated
-    (DDP) stages; the schedule runs every forward inside it."""
+    rank of the pipeline (only the last stage computes it)."""
     losses: list[torch.Tensor] = []
     args = (inputs.to(device),) if pipe.first else ()
     kwargs = {"target": targets.to(device), "losses": losses} if pipe.last else {}
     if pipe.last and "return_outputs" in inspect.signature(pipe.schedule.step).parameters:
         # Only the losses are used: without this the last stage keeps every micro-batch's logits.
         kwargs["return_outputs"] = False
-    with loss_parallel() if use_loss_parallel else contextlib.nullcontext(), autocast or contextlib.nullcontext():
+    with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
         pipe.schedule.step(*args, **kwargs)
     if pipe.last:
         parts = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]

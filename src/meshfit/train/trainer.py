@@ -109,13 +109,6 @@ def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | 
         raise ConfigError(str(exc)) from None
 
 
-def _autocast(run: Run) -> contextlib.AbstractContextManager:
-    # FSDP computes in bf16 through its own parameter casting; DDP replicas use autocast.
-    if run.shape.mixed_precision and _kind(run) in ("none", "ddp"):
-        return torch.autocast(run.env.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: bool) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns its mean loss (detached)."""
     no_sync = getattr(run.model, "no_sync", None)
@@ -126,8 +119,7 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
         run.tracker.phase = "forward"
         # Loss parallelism: cross-entropy on vocabulary-sharded logits, in forward and backward.
         with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
-            with _autocast(run):
-                logits = run.model(inputs.to(run.env.device))
+            logits = run.model(inputs.to(run.env.device))
             loss = lm_loss(logits, targets.to(run.env.device), run.shape.model.vocab_size)
             run.tracker.phase = "backward"
             (loss / run.shape.accum_steps).backward()
@@ -138,7 +130,7 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
 
 def _kind(run: Run) -> str:
     dims = run.shape.dims
-    return data_parallel_kind(run.shape.zero_stage, dims.dp, dims.tp)
+    return data_parallel_kind(run.shape.zero_stage, dims.dp, dims.tp, run.shape.mixed_precision)
 
 
 def _ddp(run: Run) -> bool:
@@ -203,8 +195,7 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
             if run.pipe is not None:
                 run.tracker.reset_mod_stats()
                 run.tracker.phase = "pipeline forward/backward"
-                losses = [pipeline_step(run.pipe, inputs, targets, run.env.device, run.cfg.parallel.loss_parallel,
-                                        _autocast(run))]
+                losses = [pipeline_step(run.pipe, inputs, targets, run.env.device, run.cfg.parallel.loss_parallel)]
             else:
                 losses = [
                     _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))

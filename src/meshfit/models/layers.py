@@ -1,0 +1,57 @@
+"""Building blocks shared by both model families, written for what they keep for backward.
+
+* ``AttentionCore``: causal attention of ``[b, heads, s, head_dim]`` queries, keys and values. "flash"
+  runs torch's fused ``scaled_dot_product_attention`` (it keeps its output and a log-sum-exp per head and
+  query; grouped key/value heads are not repeated); "eager" materialises the scores as Megatron-LM's
+  unfused path does (Korthikanti et al. 2022: softmax output, dropout mask and dropout output, 5·a·s²·b
+  bytes per layer in 16 bits). A module of its own, so that recompute policies can wrap the core alone.
+* ``Dropout``: torch's ``native_dropout``, which keeps a one-byte mask on every device (on CPU,
+  ``F.dropout`` keeps a mask in the input's dtype).
+* ``RMSNorm``: torch's RMSNorm, recomputed in backward from its input. Its eager form keeps an fp32 copy
+  of the input and of the normalised output (12 bytes per 16-bit value); fused kernels keep the input
+  alone, and so does this.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+class AttentionCore(nn.Module):
+    def __init__(self, dropout: float, kernel: str) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.kernel = kernel
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        if self.kernel == "flash":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+        # Grouped key/value heads without repeating them: the queries of one group are stacked along the
+        # sequence, so both matmuls read (and keep) K and V at their own width.
+        b, heads, seqlen, head_dim = q.shape
+        groups = k.shape[1]
+        q = q.reshape(b, groups, heads // groups * seqlen, head_dim)
+        scores = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
+        future = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(future.repeat(heads // groups, 1), float("-inf")).softmax(dim=-1)
+        if p > 0:
+            probs = torch.native_dropout(probs, p, True)[0]
+        return (probs @ v).view(b, heads, seqlen, head_dim)
+
+
+class Dropout(nn.Dropout):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return torch.native_dropout(x, self.p, True)[0]
+
+
+class RMSNorm(nn.RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().forward(x)
+        return checkpoint(super().forward, x, use_reentrant=False)
