@@ -17,6 +17,8 @@ from meshfit.planner.verify import verify_layout
 MODEL = dataclasses.replace(get_preset("small"), vocab_size=8192, max_seq_len=256)
 FP32 = Workload(seq_len=128, global_batch=8, precision="fp32")
 MIXED = Workload(seq_len=128, global_batch=8, precision="mixed")
+GPT = dataclasses.replace(get_preset("small-gpt"), vocab_size=8192, max_seq_len=256)
+EAGER = Workload(seq_len=128, global_batch=8, precision="mixed", attention="eager", dropout=0.1)
 
 KINDS = {
     "ddp": (Layout(dp_replicate=4), FP32),
@@ -30,13 +32,21 @@ KINDS = {
     "fsdp-tp": (Layout(dp_shard=4, tp=2, zero_stage=3, sp=True, loss_parallel=True), MIXED),
     "pp-1f1b": (Layout(pp=2, schedule="1f1b"), FP32),
     "pp-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="1f1b"), MIXED),
+    # Mixed precision without sharding: 16-bit activations too.
+    "single-mixed": (Layout(micro_batch=4), MIXED),
+    "ddp-mixed": (Layout(dp_replicate=4), MIXED),
+    "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED),
+    "zero2-op": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op"), MIXED),
+    "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True), EAGER, GPT),
+    "gpt-eager-attention": (Layout(tp=2, sp=True, activation_checkpointing="attention"), EAGER, GPT),
+    "gpt-eager-op": (Layout(dp_shard=2, zero_stage=1, activation_checkpointing="op"), EAGER, GPT),
 }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_prediction_within_5_percent_of_verify(kind):
-    layout, workload = KINDS[kind]
-    predicted = estimate_memory(MODEL, layout, workload).as_dict()["total"]
-    measured = verify_layout(MODEL, layout, workload).measured["total"]
+    layout, workload, model = (*KINDS[kind], MODEL)[:3]
+    predicted = estimate_memory(model, layout, workload).as_dict()["total"]
+    measured = verify_layout(model, layout, workload).measured["total"]
     assert predicted == pytest.approx(measured, rel=0.05), (kind, predicted, measured)

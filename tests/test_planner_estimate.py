@@ -105,3 +105,21 @@ def test_a_bigger_local_batch_only_adds_activations():
     # weight gradient at one sequence, the blocks' gradient temporaries beyond).
     assert four.activations - one.activations == pytest.approx(3 * (two.activations - one.activations), rel=0.02)
     assert four.activations - one.activations > 0
+
+
+def _gpt(dim: int, n_layers: int, n_heads: int) -> ModelConfig:
+    return ModelConfig(family="gpt", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
+                       vocab_size=51200, ffn_hidden=4 * dim, max_seq_len=2048, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("model, layout, batch, published_gib", [
+    (_gpt(6144, 48, 64), Layout(tp=8, micro_batch=4, loss_parallel=True), 4, 59.25),
+    (_gpt(6144, 48, 64), Layout(tp=8, sp=True, micro_batch=4, loss_parallel=True), 4, 39.56),
+    (_gpt(12288, 96, 96), Layout(tp=8, pp=8, schedule="1f1b", micro_batch=1, loss_parallel=True), 64, 51.75),
+], ids=["22B-tp8", "22B-tp8-sp", "175B-tp8-pp8"])
+def test_megatron_gpt_activations_within_10_percent_of_korthikanti(model, layout, batch, published_gib):
+    # Korthikanti et al. 2022, Table 2 / §5: 16-bit activations, dropout 0.1, eager attention, seq 2048,
+    # vocabulary-parallel loss; the plan's peak activations add the logits and backward temporaries.
+    workload = Workload(seq_len=2048, global_batch=batch, attention="eager", dropout=0.1)
+    planned = estimate_memory(model, layout, workload).activations / 2**30
+    assert planned == pytest.approx(published_gib, rel=0.10)

@@ -38,8 +38,8 @@ def test_model_state_precisions_and_optimizers():
     full = {"zero_stage": 0, "dp_shard": 1}
     assert model_state_bytes(n, precision="fp32", optimizer="adamw", **full) == {
         "params": 4000, "grads": 4000, "optim": 8000}  # the README's 16 bytes per parameter
-    assert model_state_bytes(n, precision="fp32", optimizer="sgd-momentum", **full)["optim"] == 4000
-    assert model_state_bytes(n, precision="mixed", optimizer="sgd-momentum", **full) == {
+    assert model_state_bytes(n, precision="fp32", optimizer="sgd", **full)["optim"] == 4000
+    assert model_state_bytes(n, precision="mixed", optimizer="sgd", **full) == {
         "params": 2000, "grads": 2000, "optim": 8000}
     assert model_state_bytes(n, precision="bf16", optimizer="adamw", **full) == {
         "params": 2000, "grads": 2000, "optim": 4000}
@@ -56,7 +56,7 @@ def test_model_state_precisions_and_optimizers():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"precision": "fp16"}, "valid precisions: fp32, mixed, bf16"),
-    ({"optimizer": "lion"}, "valid optimizers: adamw, sgd-momentum"),
+    ({"optimizer": "lion"}, "valid optimizers: adamw, sgd"),
     ({"zero_stage": 4}, "0, 1, 2 or 3"),
     ({"dp_shard": 0}, "dp_shard"),
 ])

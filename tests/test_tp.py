@@ -39,6 +39,19 @@ def test_tp_parity(family, mode):
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 
+@pytest.mark.parametrize("ranks, overrides", [
+    (2, ["parallel.tp=2", "parallel.sp=true", "parallel.activation_checkpointing=attention"]),
+    (2, ["parallel.tp=2", "parallel.sp=true", "parallel.activation_checkpointing=op"]),
+    (1, ["parallel.activation_checkpointing=op"]),
+], ids=["tp-sp-attention-recompute", "tp-sp-op-recompute", "op-recompute"])
+def test_eager_attention_and_recompute_policies_match_fused_attention(ranks, overrides):
+    # The eager kernel computes the same attention as the fused one; recomputing its core or the
+    # element-wise ops (and re-gathering sequence-parallel inputs) changes no value.
+    runs = run_ranks(train_job, ranks, parity_config(FAMILIES["gpt"], "model.attention=eager", *overrides))
+    assert _max_delta(runs[0]["losses"], reference("gpt")["losses"]) <= 1e-5
+    assert _max_delta(runs[0]["grad_norms"], reference("gpt")["grad_norms"]) <= 1e-5
+
+
 # Every data-parallel kind composes with tensor parallelism on one mesh (4 ranks: dp 2 × tp 2).
 DP_KINDS = {
     "ddp": ["parallel.dp_replicate=2"],

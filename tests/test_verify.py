@@ -151,7 +151,6 @@ def test_model_config_and_restored_state():
 @pytest.mark.parametrize("change, field", [
     ({"precision": "bf16"}, "precision 'mixed'"),
     ({"optimizer": "sgd"}, "optimizer"),
-    ({"attention": "eager"}, "attention"),
     ({"dropout": 0.1}, "dropout"),
 ])
 def test_unsupported_workloads_name_the_field(change, field):

@@ -53,17 +53,23 @@ def test_parity_hsdp_four_ranks():
     assert _max_delta(ranks[0]["grad_norms"], reference()["grad_norms"]) <= 1e-5
 
 
-def test_bf16_mixed_precision_within_measured_bound():
-    ref = reference()
-    mixed = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.mixed_precision=true"))[0]
-    # ZeRO-1 accumulates and reduces its gradients in bf16.
-    zero1 = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.zero_stage=1",
-                                                  "train.micro_batch=1", "parallel.mixed_precision=true"))[0]
-    autocast = run_ranks(train_job, 2, parity_config("parallel.dp_replicate=2", "train.precision=bf16"))[0]
-    for run in (mixed, zero1, autocast):
-        delta = _max_delta(run["losses"], ref["losses"])
-        assert 0 < delta <= BF16_BOUND  # bf16 really ran (not bit-identical to fp32) and stays close
-        assert run["losses"][-1] < run["losses"][0]
+MIXED_LAYOUTS = {
+    "one-rank": (1, []),
+    "ddp": (2, ["parallel.dp_replicate=2", "train.micro_batch=2"]),
+    "zero1": (2, ["parallel.dp_shard=2", "parallel.zero_stage=1", "train.micro_batch=1"]),  # bf16 reductions
+    "zero3": (2, ["parallel.dp_shard=2"]),
+    "tp-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
+}
+
+
+@pytest.mark.parametrize("layout", MIXED_LAYOUTS)
+def test_bf16_mixed_precision_within_measured_bound(layout):
+    # Every layout computes on 16-bit weight copies (16-bit activations) with fp32 master weights.
+    ranks, overrides = MIXED_LAYOUTS[layout]
+    run = run_ranks(train_job, ranks, parity_config(*overrides, "parallel.mixed_precision=true"))[0]
+    delta = _max_delta(run["losses"], reference()["losses"])
+    assert 0 < delta <= BF16_BOUND  # bf16 really ran (not bit-identical to fp32) and stays close
+    assert run["losses"][-1] < run["losses"][0]
 
 
 def _rank0_mem(n, *overrides):

@@ -26,19 +26,15 @@ from meshfit.planner.activations import (
     block_weight_params,
     checkpointed_block_bytes,
 )
-from meshfit.planner.layout import Layout, Workload
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
+from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
+from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
 # (weight, gradient, {optimizer: state}) bytes per parameter as meshfit keeps them. Mixed precision keeps
 # fp32 master weights, fp32 gradients (reduced in fp32) and fp32 states; bf16 copies exist only for compute.
-STATE_BYTES = {
-    "fp32": (4, 4, {"adamw": 8, "sgd": 4}),
-    "mixed": (4, 4, {"adamw": 8, "sgd": 4}),
-    "bf16": (2, 2, {"adamw": 4, "sgd": 2}),
-}
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
 # Fraction of a device's memory the planner lets tensors use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (a few GiB on an 80 GiB part).
@@ -192,13 +188,13 @@ class _States:
 
 
 def _states(layout: Layout, workload: Workload, n: float) -> _States:
-    w_bytes, g_bytes, states = STATE_BYTES[workload.precision]
+    w_bytes, g_bytes, o_bytes = state_bytes(workload.precision, workload.optimizer)
     if layout.offload:
         return _States(0.0, 0.0, 0.0, 0.0)
     share = layout.dp_shard if layout.zero_stage >= 1 else 1
     grads = n * g_bytes / share
     ddp = _kind(layout, workload) == "ddp"
-    return _States(n * w_bytes / share, grads, n * states[workload.optimizer] / share, grads if ddp else 0.0)
+    return _States(n * w_bytes / share, grads, n * o_bytes / share, grads if ddp else 0.0)
 
 
 def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int
@@ -257,7 +253,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         if micro > 1 and layout.tp > 1 and share.last and (kind == "none" or accumulated):
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
-            g_bytes = c_bytes if accumulated else STATE_BYTES[workload.precision][1]
+            g_bytes = c_bytes if accumulated else STORAGE_BYTES[workload.precision]
             grads_loss += model.padded_vocab * model.dim / layout.tp * g_bytes
     grads_loss = max(grads_loss, st.at_rest_grads)
     gathered = gathered_loss = unit_grads = working = 0.0
@@ -348,7 +344,8 @@ def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States,
     blocks_sharded = st.grads * (1 - share.root_params / share.params)
     grads = accumulated or blocks_sharded + share.root_params * c_bytes
     cast = share.root_params * r_bytes if r_bytes != c_bytes else 0.0
-    output = share.root_params * r_bytes / layout.dp_shard
+    # Over a single shard FSDP reduces in place: the copy is the output.
+    output = share.root_params * r_bytes / layout.dp_shard if layout.dp_shard > 1 else 0.0
     return (params, grads, optim, cast + output, buckets)
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from meshfit.models.config import num_params
-from meshfit.planner.estimate import STATE_BYTES, MemoryEstimate, estimate_memory, usable_bytes
+from meshfit.planner.estimate import MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.layout import Layout
+from meshfit.planner.precision import state_bytes
 from meshfit.planner.search import Candidate, Plan
 from meshfit.units import fmt_bytes
 
@@ -40,8 +41,7 @@ def _line(c: Candidate | None, usable: float) -> str:
 
 def _states_section(plan: Plan, usable: float) -> list[str]:
     wl, n = plan.workload, num_params(plan.model)
-    w, g, states = STATE_BYTES[wl.precision]
-    k = states[wl.optimizer]
+    w, g, k = state_bytes(wl.precision, wl.optimizer)
     world = plan.cluster.world_size
     ddp = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1), wl)
     lines = [

@@ -16,9 +16,8 @@ from meshfit.models.config import ATTENTIONS
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.rules import default_zero_stage, layout_error
 from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages
+from meshfit.planner.precision import OPTIMIZERS, PRECISIONS
 
-PRECISIONS = ("fp32", "mixed", "bf16")
-OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(frozen=True)

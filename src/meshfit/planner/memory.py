@@ -11,20 +11,10 @@ from __future__ import annotations
 from fractions import Fraction
 
 from meshfit.models.config import ATTENTIONS
+from meshfit.planner.precision import OPTIMIZERS, PRECISIONS, paper_state_bytes
 from meshfit.parallel.schedules import SCHEDULE_NAMES
 
-# precision -> (bytes per weight, bytes per gradient, {optimizer: optimizer-state bytes K per parameter}).
-# "mixed" is the ZeRO paper's mixed-precision Adam: 16-bit weights and gradients, and K = 12 for the fp32
-# master weights, momentum and variance. With SGD, K = 8: master weights and momentum.
-# Note: meshfit's own ``mixed_precision`` (FSDP2 MixedPrecisionPolicy / autocast) keeps fp32 weights,
-# gradients and states, i.e. the "fp32" row plus transient bf16 copies, not this row.
-_STATE_BYTES: dict[str, tuple[int, int, dict[str, int]]] = {
-    "fp32": (4, 4, {"adamw": 8, "sgd-momentum": 4}),
-    "mixed": (2, 2, {"adamw": 12, "sgd-momentum": 8}),
-    "bf16": (2, 2, {"adamw": 4, "sgd-momentum": 2}),  # pure bf16: moments kept in bf16 too
-}
-PRECISIONS = tuple(_STATE_BYTES)
-OPTIMIZERS = ("adamw", "sgd-momentum")
+# Per-parameter bytes: planner/precision.py (here in the ZeRO paper's accounting, paper_state_bytes).
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:
@@ -43,7 +33,7 @@ def model_state_bytes(
     and ``optim``. With Ψ = 7.5e9, N_d = 64 and mixed-precision Adam this gives the paper's Figure 1:
     120, 31.4, 16.6 and 1.9 GB for stages 0 to 3.
     """
-    if precision not in _STATE_BYTES:
+    if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; valid precisions: {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
@@ -51,7 +41,7 @@ def model_state_bytes(
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
     _check_int("dp_shard", dp_shard, 1)
-    weight, grad, states = _STATE_BYTES[precision]
+    weight, grad, optim = paper_state_bytes(precision, optimizer)
     n = dp_shard if zero_stage > 0 else 1
 
     def share(stage: int) -> int:
@@ -61,7 +51,7 @@ def model_state_bytes(
     return {
         "params": n_params * weight / share(3),
         "grads": n_params * grad / share(2),
-        "optim": n_params * states[optimizer] / share(1),
+        "optim": n_params * optim / share(1),
     }
 
 

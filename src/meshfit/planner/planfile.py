@@ -61,9 +61,6 @@ def check_trainable(workload: Workload) -> None:
     if workload.optimizer != "adamw":
         raise ValueError(f"workload optimizer={workload.optimizer!r}: meshfit trains with AdamW only; use "
                          "optimizer 'adamw'")
-    if workload.attention != "flash":
-        raise ValueError(f"workload attention={workload.attention!r}: meshfit's models always run fused "
-                         "attention (scaled_dot_product_attention); use attention 'flash'")
 
 
 def plan_sections(model: ModelConfig, workload: Workload, layout: Layout) -> dict[str, dict[str, Any]]:
@@ -72,6 +69,7 @@ def plan_sections(model: ModelConfig, workload: Workload, layout: Layout) -> dic
     check_trainable(workload)
     sections = layout.config_sections(workload.global_batch)
     sections["model"] = {k: getattr(model, k) for k in _MODEL_FIELDS}
+    sections["model"]["attention"] = workload.attention  # the planned kernel is the one trained
     sections["train"].update(seq_len=workload.seq_len, global_batch=workload.global_batch)
     sections["parallel"]["mixed_precision"] = workload.precision == "mixed"
     return sections

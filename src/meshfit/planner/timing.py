@@ -36,11 +36,12 @@ from meshfit.models.config import pad_vocab_for_tp
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
+from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_BYTES
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
     from meshfit.planner.hardware import Cluster
-from meshfit.planner.layout import Layout, Workload
 
 # Achievable fraction of the peak FLOP/s for a whole training step's matmuls and attention. Public large
 # runs report 35–55% MFU in bf16 on A100/H100 (e.g. Megatron-LM, Narayanan et al. 2021: 52% on A100).
@@ -76,10 +77,6 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 # Bytes per value: compute copies (activations, gathered weights) and kept weights/gradients. meshfit's
 # mixed precision keeps fp32 weights and gradients and reduces gradients in fp32; pure bf16 keeps all in bf16.
-_COMPUTE_BYTES = {"fp32": 4, "mixed": 2, "bf16": 2}
-_STORAGE_BYTES = {"fp32": 4, "mixed": 4, "bf16": 2}
-# Optimizer states per parameter, each in the storage dtype: AdamW's two moments, SGD's momentum.
-_STATES = {"adamw": 2, "sgd": 1}
 _ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 
 
@@ -217,9 +214,9 @@ def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: flo
             f"layout world size {layout.world_size} ({layout.describe()}: dp_replicate × dp_shard × tp × pp) "
             f"differs from the cluster's world size {cluster.world_size} ({cluster.nodes} nodes × "
             f"{cluster.gpus_per_node} {cluster.gpu.name})")
-    if workload.precision not in _COMPUTE_BYTES or workload.optimizer not in _STATES:
+    if workload.precision not in COMPUTE_BYTES or workload.optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"workload precision={workload.precision!r} / optimizer={workload.optimizer!r}; "
-                         f"valid: {', '.join(_COMPUTE_BYTES)} / {', '.join(_STATES)}")
+                         f"valid: {', '.join(COMPUTE_BYTES)} / {', '.join(OPTIMIZER_STATES)}")
     if not (0.0 < efficiency <= 1.0 and 0.0 <= dp_overlap <= 1.0):
         raise ValueError(f"efficiency={efficiency} must be in (0, 1] and dp_overlap={dp_overlap} in [0, 1]")
     local, rest = divmod(workload.global_batch, layout.dp)
@@ -248,7 +245,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     fpt, layer, head, core, n_params = _model_terms(model, s)
     gpu = cluster.gpu
     peak = gpu.fp32_flops if precision == "fp32" else gpu.bf16_flops
-    cbytes, sbytes = _COMPUTE_BYTES[precision], _STORAGE_BYTES[precision]
+    cbytes, sbytes = COMPUTE_BYTES[precision], STORAGE_BYTES[precision]
     virtual = layout.virtual_stages if pp > 1 else 1
     rank = bottleneck_rank(model.n_layers, pp, virtual, v_shaped(layout.schedule), layer, head)
     blocks, _, has_head = rank
@@ -292,7 +289,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     # Optimizer step over the rank's share (ZeRO ≥ 1 updates 1/dp_shard), memory-bound; with offload it
     # runs on the host and the sharded weights/gradients cross PCIe once per gather/reduction.
     owned = rank_params / (layout.dp_shard if layout.zero_stage >= 1 else 1)
-    step_bytes = 2.0 * owned * sbytes * (2 + _STATES[workload.optimizer])  # weights, grads, states
+    step_bytes = 2.0 * owned * sbytes * (2 + OPTIMIZER_STATES[workload.optimizer])  # weights, grads, states
     offload_s = 0.0
     if layout.offload:
         # FSDP copies the shard to the device in its kept dtype and casts there.
