@@ -166,6 +166,10 @@ class TrainSection(_Section):
     grad_clip: float = 1.0
     precision: Literal["fp32", "bf16"] = "fp32"
     memory_budget: int | None = None  # bytes of tracked tensor memory per rank
+    # When the per-operator memory tracker runs (memory/meter.py): auto = the first memory_tracked_steps
+    # steps of a launch, and every step when a CPU budget is enforced; full = every step; off = never.
+    memory_tracking: Literal["auto", "full", "off"] = "auto"
+    memory_tracked_steps: int = 3
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_flops: float | None = None  # per device, for MFU; None = measured (CPU) or catalog (GPU)
     log_every: int = 1
@@ -192,7 +196,7 @@ class TrainSection(_Section):
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("steps", "global_batch", "seq_len", "log_every")
+    @field_validator("steps", "global_batch", "seq_len", "log_every", "memory_tracked_steps")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value <= 0:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from meshfit.config import Config, ConfigError
 from meshfit.models import ModelConfig
 from meshfit.models.config import pad_vocab_for_tp
@@ -105,6 +107,14 @@ def _check_data(cfg: Config, vocab_size: int) -> None:
         )
 
 
+def _check_memory(cfg: Config) -> None:
+    train = cfg.train
+    on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
+    if train.memory_tracking == "off" and train.memory_budget is not None and on_cpu:
+        raise ConfigError("train.memory_tracking=off cannot enforce train.memory_budget on CPU (the memory tracker "
+                          "is what enforces it there); use train.memory_tracking=auto or full, or drop the budget")
+
+
 def _padded(cfg: Config, model: ModelConfig, tp: int) -> ModelConfig:
     """The vocabulary padded to a multiple of tp, unless model.pad_vocab_to was set (then tp must divide the
     padded size: a fixed padding keeps checkpoints loadable under every layout that divides it)."""
@@ -132,6 +142,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
             f"use train.seq_len ≤ {model.max_seq_len} or raise model.max_seq_len"
         )
     _check_data(cfg, model.vocab_size)
+    _check_memory(cfg)
     stage = _layout(cfg, dims)
     if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len, p.sp)):
         raise ConfigError(error)

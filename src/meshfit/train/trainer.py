@@ -2,8 +2,9 @@
 
 One optimizer step: the rank's part of the global batch is split into micro-batches; each runs forward and
 backward (gradient synchronization only on the last one); then gradients are clipped, the optimizer steps
-and gradients are freed. Every step is measured under the rank's memory tracker, which also enforces the
-memory budget, and rank 0 writes one metrics record with every rank's peak memory breakdown.
+and gradients are freed. Steps are measured under the rank's memory tracker, which also enforces the
+memory budget on CPU, when `train.memory_tracking` says so (memory/meter.py), and rank 0 writes one metrics
+record with every rank's peak memory breakdown, measured or carried over.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
 from meshfit.data import TokenBatches, make_source
+from meshfit.memory.meter import MemoryMeter
 from meshfit.memory.tracker import limit_cuda_memory, make_tracker
 from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
@@ -64,6 +66,7 @@ class Run:
     start_step: int = 0  # the step this launch started from (> 0 when resumed)
     launch_steps: int = 0  # optimizer steps taken by this process (dry runs included)
     history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
+    meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
@@ -90,11 +93,17 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                            dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp)
     tracker = make_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_budget, cfg.parallel.offload,
                            pipeline=pipe is not None)
+    meter = _meter(cfg, env, tracker)
     limit_cuda_memory(env.device, cfg.train.memory_budget)
     return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.train), batches=batches, tracker=tracker,
                flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
-               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir)
+               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter)
+
+
+def _meter(cfg: Config, env: RankEnv, tracker: Any) -> MemoryMeter:
+    train = cfg.train  # memory_tracking=off with a CPU budget is refused by resolve_run
+    return MemoryMeter(tracker, env.device, train.memory_tracking, train.memory_tracked_steps, train.memory_budget)
 
 
 def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | None:
@@ -137,12 +146,12 @@ def _ddp(run: Run) -> bool:
     return _kind(run) == "ddp"
 
 
-def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None) -> torch.Tensor:
+def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool) -> torch.Tensor:
     run.tracker.phase = "optimizer step"
     pp_group = run.pipe.group if run.pipe else None
     local_ok = guard.locally_finite(losses) if guard is not None else True
     params = list(run.model.parameters())
-    if _ddp(run):
+    if _ddp(run) and tracking:
         run.tracker.claim_gradients(params)
     grad_norm = clip_grad_norm(params, run.cfg.train.grad_clip, pp_group)
     if guard is not None and not guard.allow_step(local_ok, grad_norm):
@@ -190,8 +199,9 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     `guard` (training, not dry runs) lets all ranks agree before the optimizer step; see guard.py.
     """
     micro = run.shape.micro_batch
+    tracking = run.meter is None or run.meter.tracking()
     try:
-        with run.tracker:
+        with run.tracker if tracking else contextlib.nullcontext():
             if run.pipe is not None:
                 run.tracker.reset_mod_stats()
                 run.tracker.phase = "pipeline forward/backward"
@@ -203,8 +213,9 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
                 ]
             if guard is not None:
                 losses = guard.after_backward(losses)
-            grad_norm = _optimizer_step(run, losses, guard)
-            run.tracker.settle()
+            grad_norm = _optimizer_step(run, losses, guard, tracking)
+            if tracking:
+                run.tracker.settle()
     except torch.OutOfMemoryError:
         # On CUDA the allocator enforces the budget; report it like the tracker does on CPU.
         if run.cfg.train.memory_budget is None:
@@ -214,23 +225,19 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
 
 
 def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:
-    mem = run.tracker.peak()
-    mem["rest"] = run.tracker.current()  # what stays resident between steps
-    if run.pipe is not None:
-        mem["stages"] = run.pipe.stage_ids
-    if run.env.device.type == "cuda":
-        mem["device_peak"] = torch.cuda.max_memory_allocated(run.env.device)
-        torch.cuda.reset_peak_memory_stats(run.env.device)
-    per_rank: list[dict[str, int]] = [{} for _ in range(run.env.world_size)]
-    dist.all_gather_object(per_rank, mem)
+    extra = {"stages": run.pipe.stage_ids} if run.pipe is not None else {}
+    per_rank, retracked = run.meter.records(run.env.world_size, extra)
     tokens = run.cfg.train.global_batch * run.cfg.train.seq_len
     tps = tokens / elapsed
-    return {
+    record = {
         "step": run.step, "time": time.time(), "loss": loss, "grad_norm": grad_norm, "lr": lr,
         "tokens_per_s": tps, "step_time_s": elapsed,
         "mfu": mfu(tps, run.flops_per_token, run.env.world_size, run.peak_flops),
         "peak_mem_bytes": max(m["peak"] for m in per_rank), "mem": per_rank,
     }
+    if retracked:
+        record["retracked"] = True  # memory grew after tracking stopped: this step was measured again
+    return record
 
 
 def summarize(run: Run) -> dict[str, Any]:

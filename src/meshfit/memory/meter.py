@@ -1,0 +1,95 @@
+"""When a step's memory is measured, and what a step's record says about it.
+
+The per-operator trackers (memory/tracker.py) see every tensor by category, at the price of a Python call on
+every operator. ``train.memory_tracking`` chooses when they run:
+
+* ``auto`` (default): the first ``train.memory_tracked_steps`` steps of each launch (optimizer states appear
+  in step 1, DDP re-orders its buckets in step 2, step 3 is steady), and every step when a CPU budget must be
+  enforced (on CPU the tracker is the budget). Later steps carry the last measured breakdown over, marked
+  ``"measured": "carried"``, and cost nothing per operator.
+* ``full``: every step. ``off``: no step (refused with a CPU budget).
+
+Growth after tracking stops is still caught: every carried step reads each rank's own counter — the CUDA
+allocator's peak of that step, or on CPU the process's peak resident memory — and when any rank's counter
+exceeds what the tracked steps reached by more than ``GROWTH`` (and ``GROWTH_MIN_BYTES``), the next step is
+tracked again (its record says ``"retracked": true``) and its breakdown replaces the carried one.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GROWTH = 0.05
+GROWTH_MIN_BYTES = 32 * 2**20
+
+
+def _counter(device: torch.device) -> int:
+    """This step's peak on the device (CUDA allocator), or the process's peak resident bytes (CPU)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def _counter_key(device: torch.device) -> str:
+    return "device_peak" if device.type == "cuda" else "rss_peak"
+
+
+class MemoryMeter:
+    """Decides per step whether the tracker runs, and builds every rank's memory record."""
+
+    def __init__(self, tracker: Any, device: torch.device, mode: str, tracked_steps: int,
+                 budget: int | None) -> None:
+        self.tracker = tracker
+        self.device = device
+        self.mode = "full" if (budget is not None and device.type == "cpu" and mode == "auto") else mode
+        self.tracked_steps = tracked_steps
+        self.steps = 0  # steps measured by this process
+        self._retrack = False
+        self._carried: list[dict[str, Any]] | None = None
+        self._baseline = 0  # the highest counter of any tracked step, per this rank
+
+    def tracking(self) -> bool:
+        """Whether the coming step runs under the tracker."""
+        if self.mode == "full":
+            return True
+        if self.mode == "off":
+            return False
+        return self.steps < self.tracked_steps or self._retrack or self._carried is None
+
+    def records(self, world_size: int, extra: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        """Every rank's memory record of the step just run (a collective), and whether it was re-tracked."""
+        tracked, retracked = self.tracking(), self._retrack
+        self.steps += 1
+        self._retrack = False
+        counter = _counter(self.device)
+        if not tracked:
+            return self._carry(counter, world_size), False
+        mem = self.tracker.peak()
+        mem["rest"] = self.tracker.current()  # what stays resident between steps
+        mem.update(extra, measured="tracker")
+        mem[_counter_key(self.device)] = counter
+        per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        dist.all_gather_object(per_rank, mem)
+        self._carried = per_rank
+        self._baseline = max(self._baseline, counter)
+        return per_rank, retracked
+
+    def _carry(self, counter: int, world_size: int) -> list[dict[str, Any]]:
+        # One small tensor collective instead of pickled breakdowns: each rank's counter and whether it grew.
+        grew = counter > self._baseline * (1 + GROWTH) and counter - self._baseline > GROWTH_MIN_BYTES
+        local = torch.tensor([counter, int(grew)], dtype=torch.int64,
+                             device=self.device if self.device.type == "cuda" else "cpu")
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        values = [(int(g[0]), bool(g[1])) for g in gathered]
+        self._retrack = any(grew for _, grew in values)
+        key = _counter_key(self.device)
+        assert self._carried is not None
+        return [dict(mem, measured="carried", **{key: value}) for mem, (value, _) in zip(self._carried, values,
+                                                                                       strict=True)]

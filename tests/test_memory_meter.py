@@ -1,0 +1,77 @@
+"""When memory is measured: tracked steps, carried-over breakdowns, growth caught after tracking stops."""
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from meshfit.memory import meter as meter_module
+from meshfit.memory.meter import MemoryMeter
+from test_cli import meshfit
+
+
+class _StubTracker:
+    """Stands in for a per-operator tracker: a fixed breakdown per tracked step."""
+
+    def __init__(self):
+        self.peaks = 0
+
+    def peak(self):
+        self.peaks += 1
+        return {"peak": 100 * self.peaks, "params": 10}
+
+    def current(self):
+        return {"peak": 50}
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_auto_tracks_the_first_steps_then_carries_and_retracks_on_growth(world_of_one, monkeypatch):
+    counter = {"value": 1000 * 2**20}
+    monkeypatch.setattr(meter_module, "_counter", lambda device: counter["value"])
+    tracker = _StubTracker()
+    meter = MemoryMeter(tracker, meter_module.torch.device("cpu"), "auto", tracked_steps=2, budget=None)
+    seen = []
+    for step in range(6):
+        if step == 3:
+            counter["value"] *= 2  # memory grows after tracking stopped
+        tracked = meter.tracking()
+        records, retracked = meter.records(1, {})
+        seen.append((tracked, records[0]["measured"], retracked, records[0]["peak"]))
+    assert seen == [
+        (True, "tracker", False, 100), (True, "tracker", False, 200),  # the tracked steps
+        (False, "carried", False, 200),  # carried over
+        (False, "carried", False, 200),  # the growth is seen here ...
+        (True, "tracker", True, 300),  # ... and this step is measured again
+        (False, "carried", False, 300),  # the new baseline holds
+    ]
+    assert tracker.peaks == 3
+
+
+def test_full_tracks_every_step_and_a_cpu_budget_forces_it(world_of_one, monkeypatch):
+    monkeypatch.setattr(meter_module, "_counter", lambda device: 0)
+    cpu = meter_module.torch.device("cpu")
+    for meter in (MemoryMeter(_StubTracker(), cpu, "full", 1, None), MemoryMeter(_StubTracker(), cpu, "auto", 1, 10**9)):
+        for _ in range(3):
+            assert meter.tracking()
+            assert meter.records(1, {})[0][0]["measured"] == "tracker"
+
+
+def test_metrics_say_which_steps_were_measured(tmp_path):
+    res = meshfit("train", "--run-dir", str(tmp_path), "--set", "train.steps=5", "--set", "train.device=cpu",
+                  "--set", "train.memory_tracked_steps=2")
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mem"][0]["measured"] for r in records] == ["tracker"] * 2 + ["carried"] * 3
+    assert all(r["mem"][0]["rss_peak"] > 0 for r in records)
+
+
+def test_tracking_off_with_a_cpu_budget_is_refused(tmp_path):
+    res = meshfit("train", "--run-dir", str(tmp_path), "--set", "train.steps=1", "--set", "train.device=cpu",
+                  "--set", "train.memory_tracking=off", "--set", "train.memory_budget=1GiB")
+    assert res.returncode == 2 and "train.memory_tracking=off" in res.stderr and "Traceback" not in res.stderr
