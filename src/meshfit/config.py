@@ -79,6 +79,12 @@ def _degree(value: int) -> int:
     return value
 
 
+def _one_of(value: str, valid: tuple[str, ...]) -> str:
+    if value not in valid:
+        raise ValueError(f"must be one of {', '.join(repr(v) for v in valid)}")
+    return value
+
+
 class ParallelSection(_Section):
     """The layout: degrees of each parallel dimension (product = world size) and how state is kept."""
 
@@ -108,9 +114,7 @@ class ParallelSection(_Section):
     @field_validator("activation_checkpointing")
     @classmethod
     def _ac(cls, value: str) -> str:
-        if value not in AC_MODES:
-            raise ValueError(f"must be one of {', '.join(repr(m) for m in AC_MODES)}")
-        return value
+        return _one_of(value, AC_MODES)
 
     @field_validator("ac_every")
     @classmethod
@@ -131,9 +135,7 @@ class PipelineSection(_Section):
     @field_validator("schedule")
     @classmethod
     def _schedule(cls, value: str) -> str:
-        if value not in SCHEDULES:
-            raise ValueError(f"must be one of {', '.join(repr(s) for s in SCHEDULES)}")
-        return value
+        return _one_of(value, SCHEDULES)
 
     @field_validator("microbatches", "virtual_stages")
     @classmethod
