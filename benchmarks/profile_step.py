@@ -17,14 +17,13 @@ from meshfit.config import load_config
 from meshfit.testing import run_ranks
 
 LAYOUTS = {
-    "ddp": ["parallel.dp_replicate=2"],
-    "zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1"],
-    "zero2": ["parallel.dp_shard=2", "parallel.zero_stage=2"],
-    "zero3": ["parallel.dp_shard=2", "parallel.zero_stage=3"],
+    "ddp": ["parallel.dp_replicate=2", "train.micro_batch=4"],
+    "zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1", "train.micro_batch=4"],
+    "zero2": ["parallel.dp_shard=2", "parallel.zero_stage=2", "train.micro_batch=4"],
+    "zero3": ["parallel.dp_shard=2", "parallel.zero_stage=3", "train.micro_batch=4"],
     "pp2 1f1b": ["parallel.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
 }
-BASE = ["model.preset=small", "train.steps=5", "train.global_batch=16", "train.micro_batch=4", "train.seq_len=128",
-        "train.device=cpu"]
+BASE = ["model.preset=small", "train.steps=5", "train.global_batch=16", "train.seq_len=128", "train.device=cpu"]
 
 
 def profile_job(overrides: list[str], rows: int) -> tuple[float, str]:

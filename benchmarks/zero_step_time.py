@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     args = parser.parse_args()
     base = [f"model.preset={args.preset}", f"train.steps={args.steps}", "train.global_batch=16",
-            f"train.micro_batch={args.micro_batch}", "train.seq_len=128", "train.log_every=1000"]
+            "train.seq_len=128", "train.log_every=1000"]
     times: dict[tuple[str, str], list[float]] = {}
     ratios: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
@@ -57,7 +57,9 @@ def main() -> None:
             for name, overrides in LAYOUTS.items():
                 pair = {}
                 for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
-                    pair[mode], peaks[name] = _run(base, overrides, mode, Path(tmp) / f"{name}-{mode}-{rep}")
+                    # A pipeline splits its batch into pipeline.microbatches instead.
+                    batch = [] if "parallel.pp=2" in overrides else [f"train.micro_batch={args.micro_batch}"]
+                    pair[mode], peaks[name] = _run(base + batch, overrides, mode, Path(tmp) / f"{name}-{mode}-{rep}")
                     times.setdefault((name, mode), []).append(pair[mode])
                 ratios.setdefault(name, []).append(pair["full"] / pair["auto"])
     print(f"model {args.preset}, 2 ranks, global batch 16 × 128 tokens, micro-batch {args.micro_batch}, "

@@ -38,7 +38,8 @@ KINDS = {
     "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED),
     "zero2-op": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op"), MIXED),
     "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True), EAGER, GPT),
-    "gpt-eager-attention": (Layout(tp=2, sp=True, activation_checkpointing="attention"), EAGER, GPT),
+    "gpt-eager-attention": (Layout(tp=2, sp=True, loss_parallel=True, activation_checkpointing="attention"), EAGER,
+                            GPT),
     "gpt-eager-op": (Layout(dp_shard=2, zero_stage=1, activation_checkpointing="op"), EAGER, GPT),
 }
 

@@ -19,6 +19,7 @@ With dp_replicate > 1 the sharded state is replicated across dp_replicate groups
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from torch import nn
@@ -76,6 +77,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     for block in model.layers.values():
         fully_shard(block, mp_policy=block_policy, **kwargs)
     fully_shard(model, mp_policy=mp_policy, **kwargs)
+    # Tensor-parallel logits come back as a view of the local shard; the loss reads them out of place, so
+    # FSDP's warning about in-place ops on a returned view does not apply.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 def set_micro_batch(model: nn.Module, stage: int, last: bool) -> None:

@@ -276,10 +276,13 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             working = tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
         if accumulated:
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
-            # being the head's weight gradient.
+            # being the head's weight gradient; accumulated in a wider reduce dtype (stage 0 under mixed
+            # precision), a block's new gradients and their upcast copy (measured with torch's tracker).
             unit_grads = 0.0
             head_weight = model.padded_vocab * model.dim / layout.tp if share.last else share.block_params
-            working = max(working, head_weight * c_bytes)
+            r_bytes = _reduce_bytes(workload, layout, c_bytes)
+            upcast = share.block_params * (c_bytes + r_bytes) if r_bytes != c_bytes else 0.0
+            working = max(working, head_weight * c_bytes, upcast)
         if layout.pp > 1:
             # torch's PipelineStage defers FSDP's gradient reduce-scatter and re-sharding to the end of the
             # step: after the first backward every unit stays gathered and gradients accumulate unsharded.
