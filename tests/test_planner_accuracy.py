@@ -32,15 +32,13 @@ KINDS = {
     "fsdp-tp": (Layout(dp_shard=4, tp=2, zero_stage=3, sp=True, loss_parallel=True), MIXED),
     "pp-1f1b": (Layout(pp=2, schedule="1f1b"), FP32),
     "pp-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="1f1b"), MIXED),
-    # Mixed precision without sharding: 16-bit activations too.
-    "single-mixed": (Layout(micro_batch=4), MIXED),
+    # Mixed precision without sharding (one rank: tests/test_verify.py): 16-bit activations too.
     "ddp-mixed": (Layout(dp_replicate=4), MIXED),
     "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED),
     "zero2-op": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op"), MIXED),
     "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True), EAGER, GPT),
     "gpt-eager-attention": (Layout(tp=2, sp=True, loss_parallel=True, activation_checkpointing="attention"), EAGER,
                             GPT),
-    "gpt-eager-op": (Layout(dp_shard=2, zero_stage=1, activation_checkpointing="op"), EAGER, GPT),
 }
 
 

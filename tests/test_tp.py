@@ -42,8 +42,7 @@ def test_tp_parity(family, mode):
 @pytest.mark.parametrize("ranks, overrides", [
     (2, ["parallel.tp=2", "parallel.sp=true", "parallel.activation_checkpointing=attention"]),
     (2, ["parallel.tp=2", "parallel.sp=true", "parallel.activation_checkpointing=op"]),
-    (1, ["parallel.activation_checkpointing=op"]),
-], ids=["tp-sp-attention-recompute", "tp-sp-op-recompute", "op-recompute"])
+], ids=["tp-sp-attention-recompute", "tp-sp-op-recompute"])
 def test_eager_attention_and_recompute_policies_match_fused_attention(ranks, overrides):
     # The eager kernel computes the same attention as the fused one; recomputing its core or the
     # element-wise ops (and re-gathering sequence-parallel inputs) changes no value.
