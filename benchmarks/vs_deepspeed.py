@@ -23,9 +23,16 @@ from the run's metrics.jsonl. DeepSpeed runs this file under torchrun with `--de
 exits, the same for both; the loss difference is the largest |Δloss| over the steps. Each repeat runs the
 two engines back to back per layout, alternating which goes first; the table gives ratios inside each pair.
 
-DeepSpeed is a dependency of this benchmark only: nothing under src/ imports it. The environment (torch,
-DeepSpeed built without prebuilt ops, meshfit installed editable, all in .venv-peers) is set up as
-described in ../shared/peers/README.md; its first DeepSpeed start JIT-compiles a small op once.
+DeepSpeed is a dependency of this benchmark only: nothing under src/ imports it. The environment, on a
+CPU-only machine:
+
+    python3 -m venv .venv-peers && . .venv-peers/bin/activate
+    pip install torch==2.13.0
+    pip install einops hjson msgpack ninja numpy 'packaging>=20.0' psutil py-cpuinfo 'pydantic>=2.0.0' tqdm wheel
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install --no-build-isolation deepspeed==0.19.8
+    pip install -e .
+
+DeepSpeed's first start JIT-compiles a small communication op once (cached under ~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
