@@ -30,7 +30,8 @@ def test_every_layout_kind_is_evaluated_and_ranked(plan_70b):
     assert {(0, False), (1, False), (2, False), (3, False), (3, True)} <= kinds  # DDP, ZeRO-1/2/3, HSDP
     assert {lay.schedule for lay in layouts if lay.pp > 1} == {"gpipe", "1f1b", "interleaved-1f1b",
                                                                 "interleaved-zb", "zbv", "dualpipev"}
-    assert {lay.activation_checkpointing for lay in layouts} == set(AC_MODES)
+    # The attention-core policy is searched with eager attention only (fused attention keeps nothing to drop).
+    assert {lay.activation_checkpointing for lay in layouts} == set(AC_MODES) - {"attention"}
     assert any(lay.offload for lay in layouts) and any(lay.sp for lay in layouts)
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # within a node, dividing the 8 KV heads
     usable = usable_bytes(H100_64.gpu.memory_bytes)

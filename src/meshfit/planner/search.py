@@ -128,6 +128,9 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
     """Every layout of ``cluster.world_size`` ranks that meshfit can train for this model and workload."""
     world = cluster.world_size
     acs = (activation_checkpointing,) if activation_checkpointing else AC_MODES
+    if not activation_checkpointing and workload.attention == "flash":
+        # The fused kernel keeps only its statistics: recomputing its core saves nothing and costs time.
+        acs = tuple(mode for mode in acs if mode != "attention")
     for tp in _tp_degrees(model, world, cluster.gpus_per_node):
         sps = (False, True) if tp > 1 and workload.seq_len % tp == 0 else (False,)
         for pp in (p for p in _divisors(world // tp) if p <= model.n_layers):
