@@ -74,10 +74,18 @@ def test_prune_keeps_the_newest_and_drops_interrupted_saves(tmp_path: Path) -> N
 def test_checkpoints_newer_than_a_resumed_step_are_set_aside_not_deleted(tmp_path: Path) -> None:
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step)
-    moved = store.set_aside_newer(tmp_path, 2)
-    assert sorted(p.name for p in moved) == ["step-00000004", "step-00000006"]
+    moved, deleted = store.set_aside_newer(tmp_path, 3, keep=2)  # resumed from 2, about to save 3
+    assert sorted(p.name for p in moved) == ["step-00000004", "step-00000006"] and deleted == []
     assert [p.name for p in store.complete_checkpoints(tmp_path)] == ["step-00000002"]
     assert json.loads((tmp_path / "superseded" / "step-00000006" / store.MARKER).read_text())["step"] == 6
+    # Later: a complete checkpoint of the step about to be saved is set aside too, never overwritten; the
+    # shelf keeps the newest `keep` folders.
+    for step in (3, 6):
+        _checkpoint(tmp_path, step)
+    moved, deleted = store.set_aside_newer(tmp_path, 3, keep=2)
+    assert sorted(p.name for p in moved) == ["step-00000003", "step-00000006"]
+    assert sorted(p.name for p in (tmp_path / "superseded").iterdir()) == ["step-00000003", "step-00000006"]
+    assert len(deleted) == 2  # the first set-aside's folders
 
 
 def test_fault_specs() -> None:

@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from dist_jobs import PARITY_BASE, nonfinite_cases_job, parity_config
-from meshfit.config import load_config
-from meshfit.testing import run_ranks
+from meshfit.config import ConfigError, load_config
+from meshfit.testing import run_ranks, snapshot
 from meshfit.train import checkpoint_store as store
 from meshfit.train.launch import launch
 
@@ -73,11 +74,45 @@ def test_sigterm_saves_and_exits_0_then_resume_continues(tmp_path: Path, ddp_ref
     result = json.loads((tmp_path / "result.json").read_text())
     stopped_at = result["end_step"]
     assert result["stopped"] == f"SIGTERM after step {stopped_at}" and stopped_at < 30
+    assert result["status"] == "interrupted" and result["signal"] == "SIGTERM"
     assert store.verify(Path(result["checkpoint"]))["step"] == stopped_at
     resumed = subprocess.run([*_cli(*DDP), "--nproc", "2", "--run-dir", str(tmp_path), "--resume"], env=_env(),
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert _losses(tmp_path) == ddp_reference
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_at_any_moment_ends_every_rank_without_a_traceback(tmp_path: Path,
+                                                                    ddp_reference: list[float]) -> None:
+    """Ctrl-C reaches the launcher and every rank (the terminal signals the whole process group): while
+    the ranks start, nothing is written and the exit code is 130; mid-training every rank saves and the
+    exit code is 130; the run then resumes to the uninterrupted run's losses."""
+    def interrupt(ready: Callable[[], bool]) -> tuple[int, str]:
+        proc = subprocess.Popen([*_cli(*DDP), "--nproc", "2", "--run-dir", str(tmp_path)], env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not ready():
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+        return proc.returncode, out
+
+    started = time.monotonic()
+    code, out = interrupt(lambda: time.monotonic() - started > 6)  # the ranks are importing or building
+    assert code == 130 and "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert "interrupted (SIGINT)" in out and not (tmp_path / "metrics.jsonl").exists()
+    metrics = tmp_path / "metrics.jsonl"
+    code, out = interrupt(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    assert code == 130 and "Traceback" not in out, out
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "interrupted" and result["signal"] == "SIGINT" and 3 <= result["end_step"] < 30
+    assert f"stopped by SIGINT after step {result['end_step']}" in out
+    resumed = subprocess.run([*_cli(*DDP), "--nproc", "2", "--run-dir", str(tmp_path), "--resume"], env=_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _losses(tmp_path) == ddp_reference
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "finished"
 
 
 def _train_in_child(run_dir: str, overrides: list[str], fault: str) -> None:
@@ -130,12 +165,18 @@ def test_a_damaged_checkpoint_falls_back_unless_pinned(tmp_path: Path, capfd: py
     capfd.readouterr()
     resumed = launch(load_config(None, [*base, "train.steps=8", "checkpoint.resume=true"]), tmp_path)
     assert resumed.ok and resumed.result["start_step"] == 4
-    assert f"checkpoint file {shard} is truncated" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"checkpoint file {shard} is truncated" in err
+    # The damaged step 6 is off the resumed run's timeline: set aside, and said so.
+    assert "set aside the checkpoints step-00000006" in err
+    assert (tmp_path / "checkpoints" / "superseded" / "step-00000006").is_dir()
     newest = tmp_path / "checkpoints" / "step-00000008"  # written by the resumed run
     marker = newest / store.MARKER
     marker.write_text(marker.read_text()[:40])  # a damaged marker, pinned: an error, no fallback
-    pinned = launch(load_config(None, [*base, "train.steps=10", f"checkpoint.resume_from={newest}"]), tmp_path)
-    assert not pinned.ok and f"checkpoint file {marker} is corrupt" in pinned.message
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError, match=f"checkpoint file {marker} is corrupt"):  # before any rank starts
+        launch(load_config(None, [*base, "train.steps=10", f"checkpoint.resume_from={newest}"]), tmp_path)
+    assert snapshot(tmp_path) == before
 
 
 @pytest.mark.timeout(240)

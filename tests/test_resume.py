@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_jobs import PARITY_BASE, parity_config, resume_layouts_job
-from meshfit.config import load_config
-from meshfit.data.errors import DataError
+from meshfit.config import ConfigError, load_config
 from meshfit.export import read_model
-from meshfit.testing import run_ranks
+from meshfit.testing import run_ranks, snapshot
 from meshfit.train.launch import launch
+from meshfit.train.optim import lr_factor
 
 LAYOUTS = {
     "ddp": ["parallel.dp_replicate=2"],
@@ -59,19 +60,36 @@ def test_resume_under_other_layouts_and_world_sizes(tmp_path: Path) -> None:
     assert losses == pytest.approx(reference.result["losses"], abs=1e-5, rel=0)
 
 
-def test_a_changed_global_batch_is_refused_with_the_reason(tmp_path: Path) -> None:
-    """The data position counts global sequences: another dp size is fine, another global batch is not."""
+def test_a_changed_global_batch_is_refused_with_the_reason_and_nothing_changes(tmp_path: Path) -> None:
+    """The data position counts global sequences: another dp size is fine, another global batch is not.
+    The refusal comes before any rank starts and leaves the run's files as they were."""
     base = [*PARITY_BASE, "train.steps=4", "train.stop_after=2"]
     assert launch(load_config(None, base), tmp_path).ok
-    outcome = launch(load_config(None, [*base, "train.global_batch=4", "checkpoint.resume=true"]), tmp_path)
-    assert not outcome.ok
-    assert outcome.failure["error"] == DataError.__name__
-    assert "saved with global_batch=8, now 4" in outcome.message
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError, match="train.global_batch: saved 8, now 4"):
+        launch(load_config(None, [*base, "train.global_batch=4", "checkpoint.resume=true"]), tmp_path)
+    with pytest.raises(ConfigError, match=r"model.n_layers: saved 2, now 3"):
+        launch(load_config(None, [*base, "model.n_layers=3", "checkpoint.resume=true"]), tmp_path)
+    assert snapshot(tmp_path) == before
 
 
-def test_resuming_another_model_is_refused_naming_the_fields(tmp_path: Path) -> None:
-    base = [*PARITY_BASE, "train.steps=2"]
+def test_a_changed_schedule_is_named_and_followed_from_the_first_resumed_step(
+        tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    base = [*PARITY_BASE, "train.steps=6", "train.stop_after=3"]
     assert launch(load_config(None, base), tmp_path).ok
-    outcome = launch(load_config(None, [*base, "model.n_layers=3", "checkpoint.resume=true"]), tmp_path)
-    assert not outcome.ok and "holds another model" in outcome.message
-    assert "model.n_layers: saved 2, now 3" in outcome.message
+    capfd.readouterr()
+    cfg = load_config(None, [*PARITY_BASE, "train.steps=12", "train.lr=1e-3", "checkpoint.resume=true"])
+    outcome = launch(cfg, tmp_path)
+    assert outcome.ok, outcome.message
+    err = capfd.readouterr().err
+    assert "changed learning-rate schedule (train.steps 6 → 12, train.lr 0.003 → 0.001): from the first resumed step" in err
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    expected = [1e-3 * lr_factor(step - 1, 2, 12, cfg.train.min_lr_ratio) for step in range(4, 13)]
+    assert [r["lr"] for r in records[3:]] == pytest.approx(expected, rel=1e-12)
+    assert (tmp_path / "config-step-3.yaml").read_text().count("steps: 6") == 1  # the config it replaced
+
+
+def test_resume_with_no_checkpoint_says_it_starts_at_step_0(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    outcome = launch(load_config(None, [*PARITY_BASE, "train.steps=1", "checkpoint.resume=true"]), tmp_path / "new")
+    assert outcome.ok and outcome.result["start_step"] == 0
+    assert f"--resume: {tmp_path / 'new' / 'checkpoints'} does not exist; starting at step 0" in capfd.readouterr().err

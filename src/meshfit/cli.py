@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from meshfit.config import ConfigError, load_config
 from meshfit.plan_cli import add_plan_arguments
@@ -64,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default runs/train-<time>)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the latest complete checkpoint of --run-dir (or checkpoint.dir), "
-                            "under this or any other layout; a damaged one is skipped for the one before")
+                            "under this or any other layout; a damaged one is skipped for the one before; "
+                            "with no checkpoint yet it says so and starts at step 0 (requeued jobs)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in --run-dir (its metrics, result, config and checkpoints "
+                            "are deleted); without it such a start is refused")
     train.add_argument("--resume-from", type=Path, metavar="CHECKPOINT",
                        help="continue from exactly this step-N checkpoint folder (no fallback)")
     train.add_argument("--max-restarts", type=int, default=0, metavar="N",
@@ -88,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the seed scenario: a model over a per-rank memory budget")
     demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
     demo.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
+    demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's output in --run-dir")
+    show = sub.add_parser("show", help="summary table and plots (loss, tokens/s, per-rank memory) of runs")
+    show.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories of meshfit train")
+    show.add_argument("--out", type=Path, metavar="DIR", help="folder for the PNG plots (default: the run "
+                      "directory for one run, else show-<time>); existing plots are kept, never overwritten")
     return parser
 
 
@@ -117,26 +127,42 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     cfg = load_config(args.config, overrides, sections)
     run_dir = args.run_dir or _default_run_dir("train")
-    outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts)
+    outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts, overwrite=args.overwrite)
     if under_torchrun():
         # Leave without interpreter teardown (gloo's teardown race); exit code tells torchrun the outcome.
         sys.stdout.flush()
         os._exit(0 if outcome.ok else 1)
+    return _report(outcome, cfg, run_dir)
+
+
+def _report(outcome: Any, cfg: Any, run_dir: Path) -> int:
+    """Print how the run ended; the exit code: 0 finished or stopped by SIGTERM, 1 failed, 130 Ctrl-C."""
     if not outcome.ok:
+        if outcome.failure is None and (outcome.signal or _all_interrupted(outcome.exit_codes)):
+            print(f"interrupted ({outcome.signal or 'SIGINT'}) before the first step ended; nothing was saved",
+                  file=sys.stderr)
+            return 130 if (outcome.signal or "SIGINT") == "SIGINT" else 0
         print(f"error: {outcome.message}", file=sys.stderr)
         return 1
     result = outcome.result
-    if result.get("stopped"):
-        print(f"stopped ({result['stopped']}); checkpoint {result['checkpoint']}; continue with --resume "
+    for note in outcome.notes:
+        print(note)
+    if result.get("status") == "interrupted":
+        signal_name = outcome.signal or result.get("signal") or "SIGTERM"
+        saved = f"checkpoint {result['checkpoint']}" if result.get("checkpoint") else "no checkpoint (no step ended)"
+        print(f"stopped by {signal_name} after step {result['end_step']}; {saved}; continue with --resume "
               f"--run-dir {run_dir}")
-    elif result["steps"] == 0:
+        return 130 if signal_name == "SIGINT" else 0
+    if result["steps"] == 0:
         print(f"nothing to do: the run is already at step {result['end_step']} of {cfg.train.steps}")
     else:
         print(f"done: steps {result['start_step'] + 1}–{result['end_step']}, final loss {result['final_loss']:.4f}; "
               f"metrics in {run_dir}/metrics.jsonl")
-    for note in outcome.notes:
-        print(note)
     return 0
+
+
+def _all_interrupted(codes: dict[int, int]) -> bool:
+    return bool(codes) and set(codes.values()) <= {130, -2}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -175,15 +201,29 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from meshfit.demo import run_demo
 
-    return run_demo(args.run_dir or _default_run_dir("demo"), nproc=args.nproc)
+    return run_demo(args.run_dir or _default_run_dir("demo"), nproc=args.nproc, overwrite=args.overwrite)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from meshfit.show import ShowError, show
+
+    try:
+        show(args.runs, args.out)
+    except ShowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"train": _cmd_train, "plan": _cmd_plan, "verify": _cmd_verify, "export": _cmd_export,
-                    "demo": _cmd_demo}
+                    "demo": _cmd_demo, "show": _cmd_show}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT); nothing was saved", file=sys.stderr)
+        return 130

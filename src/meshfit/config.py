@@ -253,6 +253,14 @@ class CheckpointSection(_Section):
         return value
 
 
+class MetricsSection(_Section):
+    """Where rank 0 reports each step besides metrics.jsonl."""
+
+    # Also write TensorBoard event files to RUN_DIR/tensorboard (needs `pip install tensorboard`; checked
+    # when training starts, not here, so a run's config.yaml still loads on a machine without it).
+    tensorboard: bool = False
+
+
 class Config(_Section):
     model: ModelSection = ModelSection()
     parallel: ParallelSection = ParallelSection()
@@ -260,6 +268,7 @@ class Config(_Section):
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    metrics: MetricsSection = MetricsSection()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -4,12 +4,23 @@ A model whose weights + gradients + optimizer states + activations do not fit on
 Every layout trains the same model on the same data under the same per-rank budget. A layout that goes over
 is stopped by the budget at the operator that would not have fit; it is then run once more for a few steps
 without the budget, so the table shows how much it really needs. Results go to DIR/summary.json and a
-chart of the per-rank breakdown to DIR/memory.png.
+chart of the per-rank breakdown to DIR/memory.png. Each layout runs in DIR/<layout> (DIR/<layout>-unbounded
+for the run without the budget); a rerun into the same DIR replaces those folders.
+
+The console output fits 100 columns. Python warnings of the demo's own process (torch's among them) go to
+DIR/warnings.log; the ranks keep theirs in their run folders (DIR/<layout>/warnings.log), and the
+launcher's own lines go to DIR/<layout>/launch.log. The end of the output says where warnings were kept.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
+import shutil
+import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,24 +28,31 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshfit.config import load_config
+from meshfit.config import Config, ConfigError, load_config
 from meshfit.planner.estimate import MemoryEstimate, estimate_memory
 from meshfit.planner.layout import Layout, Workload
 from meshfit.train.launch import Outcome, launch
+from meshfit.train.preflight import check_location
 from meshfit.charts import memory_chart
 from meshfit.units import fmt_bytes, parse_bytes
 
-# ~4.3M parameters: 16 bytes/parameter of fp32 weights, gradients and AdamW states ≈ 69 MB per replica.
+# 5.5M parameters: 16 bytes/parameter of fp32 weights, gradients and AdamW states ≈ 84 MiB per replica.
 DEMO_MODEL = ["model.preset=small", "model.dim=256", "model.n_layers=6", "model.vocab_size=2048",
               "model.ffn_hidden=704", "model.n_heads=8", "model.n_kv_heads=4"]
 DEMO_GLOBAL_BATCH = 8
 DEMO_SEQ_LEN = 128
-DEMO_TRAIN = ["train.steps=8", f"train.seq_len={DEMO_SEQ_LEN}", "train.lr=3e-3", "train.warmup_steps=2",
+# Every layout reaches its peak in step 2 (DDP's buckets and AdamW's moments exist from then on); steps 3
+# and 4 show it stays there, and give the fitting layouts' losses a few updates to agree on.
+DEMO_STEPS = 4
+DEMO_TRAIN = [f"train.steps={DEMO_STEPS}", f"train.seq_len={DEMO_SEQ_LEN}", "train.lr=3e-3",
+              "train.warmup_steps=2",
               "checkpoint.at_end=false",  # the demo compares memory; its runs are not continued
               "train.log_every=2"]
-# Planned per rank: DDP ~105 MiB, ZeRO-1 ~94, ZeRO-2 ~84, ZeRO-3 ~73, ZeRO-3 + checkpointing ~62.
+# Planned per rank: DDP ~105 MiB, ZeRO-1 ~92, ZeRO-2 ~82, ZeRO-3 ~71, ZeRO-3 + checkpointing ~61.
 DEMO_BUDGET = "80MiB"
-PROBE_STEPS = 3  # unbudgeted re-run of a failing layout; DDP's buckets settle after step 2
+PROBE_STEPS = 2  # unbudgeted re-run of a failing layout: its peak is step 2's (see DEMO_STEPS)
+WIDTH = 100  # console columns: tables and lines fit in this
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -59,11 +77,11 @@ def demo_trials(nproc: int) -> list[Trial]:
     shard = dict(dp_shard=nproc, micro_batch=1)
     return [
         Trial("ddp", Layout(dp_replicate=nproc, micro_batch=1),
-              "full replica of weights, grads (DDP's buckets) and AdamW states on every rank"),
+              "a full replica of weights, grads (DDP's buckets) and AdamW states per rank"),
         Trial("ddp-4x-batch", Layout(dp_replicate=nproc, micro_batch=4),
               "the same replica with a 4× larger micro-batch: more activations", global_batch=4 * DEMO_GLOBAL_BATCH),
         Trial("zero1", Layout(zero_stage=1, **shard),
-              "optimizer states sharded; weights gathered and full grads kept until the last micro-batch"),
+              "AdamW states sharded; gathered weights and full grads kept for the step"),
         Trial("zero2", Layout(zero_stage=2, **shard), "+ grads reduce-scattered to 1/N after every micro-batch"),
         Trial("zero3", Layout(zero_stage=3, **shard), "+ weights sharded, gathered block by block (FSDP)"),
         Trial("fsdp-ac", Layout(zero_stage=3, activation_checkpointing="full", **shard),
@@ -77,15 +95,33 @@ def demo_trials(nproc: int) -> list[Trial]:
     ]) + [
         # Always 8 ranks: the three techniques on one mesh, as large runs compose them.
         Trial("3d", Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True, micro_batch=1),
-              "pp 2 × FSDP 2 × tp 2 on 8 ranks"),
+              "pp 2 × FSDP 2 × tp 2: the three techniques on one mesh"),
     ]
+
+
+def demo_config(*overrides: str, sections: dict[str, dict[str, Any]] | None = None) -> Config:
+    return load_config(None, DEMO_MODEL + DEMO_TRAIN + list(overrides), sections)
 
 
 def predict(trial: Trial) -> MemoryEstimate:
     """The planner's per-rank peak for a demo layout (CPU ranks: per-parameter AdamW, fp32)."""
-    model = load_config(None, DEMO_MODEL).model.resolve()
+    model = demo_config().model.resolve()
     workload = Workload(seq_len=DEMO_SEQ_LEN, global_batch=trial.global_batch, precision="fp32")
     return estimate_memory(model, trial.layout, workload)
+
+
+def loss_floor(cfg: Config) -> dict[str, float] | None:
+    """The synthetic data's entropy rate (nats/token), from the generator the ranks build: the lowest mean
+    loss any model can reach on it. None for other data sources."""
+    if cfg.data.source != "synthetic":
+        return None
+    from meshfit.data import make_source
+    from meshfit.data.synthetic import RESTART
+
+    vocab = cfg.model.resolve().vocab_size
+    source = make_source("synthetic", path=None, vocab_size=vocab, seed=cfg.train.seed)
+    return {"floor": source.entropy_floor(), "uniform": math.log(vocab), "vocab": vocab,
+            "successors": source.successors, "alpha": source.alpha, "restart": RESTART}
 
 
 @dataclass
@@ -95,95 +131,251 @@ class Entry:
     peak_mem_bytes: int | None
     final_loss: float | None
     why: str
-    mem: list[dict[str, int]] = field(default_factory=list)
+    ranks: int = 0
+    wall_s: float = 0.0  # the layout's runs, start to end (with the run without the budget)
+    mem: list[dict[str, int]] = field(default_factory=list)  # every rank's breakdown in the peak step
     error: str | None = None
     predicted: dict[str, int] = field(default_factory=dict)  # the planner's breakdown of the most-loaded rank
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": self.layout, "fits": self.fits, "peak_mem_bytes": self.peak_mem_bytes,
-                "predicted_peak_mem_bytes": self.predicted.get("total"), "predicted_mem": self.predicted,
-                "final_loss": self.final_loss, "mem": self.mem, "error": self.error, "why": self.why}
+        return {"layout": self.layout, "ranks": self.ranks, "fits": self.fits,
+                "peak_mem_bytes": self.peak_mem_bytes, "predicted_peak_mem_bytes": self.predicted.get("total"),
+                "predicted_mem": self.predicted, "final_loss": self.final_loss, "mem": self.mem,
+                "error": self.error, "why": self.why, "wall_s": round(self.wall_s, 1)}
+
+
+def _peak_step(run_dir: Path, result: dict[str, Any]) -> tuple[int, list[dict[str, int]]]:
+    """The peak and every rank's breakdown in the step that reached it (metrics.jsonl); result.json's `mem`
+    is the last step's, which can sit below the peak."""
+    records = []
+    with contextlib.suppress(OSError):
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict) and rec.get("mem") and "peak_mem_bytes" in rec:
+                    records.append(rec)
+    if not records:
+        return result["peak_mem_bytes"], result["mem"]
+    best = max(records, key=lambda r: r["peak_mem_bytes"])
+    return best["peak_mem_bytes"], best["mem"]
+
+
+def failure_line(outcome: Outcome) -> str:
+    """What stopped a run, in one line: for the budget, the first rank that went over, the phase and the
+    bytes (the other ranks' reports, and their console lines, would say the same)."""
+    budget = (outcome.failure or {}).get("budget")
+    if budget:
+        return (f"rank {budget['rank']} needed {fmt_bytes(budget['needed'])} ({budget['needed']} bytes) "
+                f"during {budget['phase']} (budget {fmt_bytes(budget['budget'])})")
+    return outcome.message or "failed without a report"
+
+
+def _launch(cfg: Config, run_dir: Path, nproc: int) -> Outcome:
+    """launch() into a fresh run_dir; the launcher's own lines (banner, notes) go to run_dir/launch.log."""
+    if run_dir.is_dir():
+        shutil.rmtree(run_dir)  # an earlier demo's run of this layout (run_demo was told to overwrite)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            return launch(cfg, run_dir, nproc)
+    finally:
+        if said.getvalue():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "launch.log").write_text(said.getvalue())
 
 
 def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
-    base, sections = DEMO_MODEL + DEMO_TRAIN, trial.sections
-    nproc, predicted = trial.nproc, predict(trial).as_dict()
-    console.print(f"[bold]{trial.name}[/bold]: {trial.why} — training under a {budget} per-rank budget")
-    outcome = launch(load_config(None, base + [f"train.memory_budget={budget}"], sections), root / trial.name,
-                     nproc)
+    sections, nproc, predicted = trial.sections, trial.nproc, predict(trial).as_dict()
+    start = time.monotonic()
+    console.print(f"[bold]{trial.name}[/bold] ({nproc} ranks): {trial.why}")
+    outcome = _launch(demo_config(f"train.memory_budget={budget}", sections=sections), root / trial.name, nproc)
     if outcome.ok:
         res = outcome.result
-        return Entry(trial.name, True, res["peak_mem_bytes"], res["final_loss"], trial.why, res["mem"],
+        peak, mem = _peak_step(root / trial.name, res)
+        return Entry(trial.name, True, peak, res["final_loss"], trial.why, nproc, time.monotonic() - start, mem,
                      predicted=predicted)
-    console.print(f"  [red]does not fit[/red]: {outcome.message}")
+    label = "over budget" if (outcome.failure or {}).get("budget") else "failed"
+    console.print(f"  [red]{label}[/red]: {failure_line(outcome)}")
     console.print(f"  measuring what it needs: {PROBE_STEPS} steps without the budget")
-    probe: Outcome = launch(load_config(None, base + [f"train.steps={PROBE_STEPS}"], sections),
-                            root / f"{trial.name}-unbounded", nproc)
-    peak = probe.result["peak_mem_bytes"] if probe.ok else None
+    probe_dir = root / f"{trial.name}-unbounded"
+    probe = _launch(demo_config(f"train.steps={PROBE_STEPS}", sections=sections), probe_dir, nproc)
+    peak, mem = _peak_step(probe_dir, probe.result) if probe.ok else (None, [])
     error = outcome.message
     if not probe.ok:
-        console.print(f"  [red]the run without the budget failed too[/red]: {probe.message}")
+        console.print(f"  [red]the run without the budget failed too[/red]: {failure_line(probe)}")
         error += f"; without the budget it failed too: {probe.message}"
-    return Entry(trial.name, False, peak, None, trial.why, probe.result["mem"] if probe.ok else [], error, predicted)
+    return Entry(trial.name, False, peak, None, trial.why, nproc, time.monotonic() - start, mem, error, predicted)
+
+
+def _mib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / MIB:.1f}"
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...] = ("layout", "fits?")) -> Table:
+    table = Table(title=title, title_justify="left", caption_justify="left")
+    for col in columns:
+        # Cells never wrap: a value is one token ("104.6"), and the table is narrower than WIDTH.
+        table.add_column(col, justify="left" if col in left else "right", no_wrap=True, overflow="ellipsis")
+    return table
 
 
 def _plan_table(trials: list[Trial], budget: int) -> Table:
-    table = Table(title=f"the plan: predicted per-rank memory of each layout (most-loaded rank) vs the "
-                        f"{fmt_bytes(budget)} budget")
-    for col in ("layout", "ranks", "predicted peak", "params", "grads", "optim", "activations", "buffers",
-                "fits?"):
-        table.add_column(col, justify="left" if col in ("layout", "fits?") else "right")
+    table = _table(f"the plan: predicted MiB per rank (most-loaded rank) vs the {_mib(budget)} MiB budget",
+                   ["layout", "ranks", "peak", "params", "grads", "optim", "activ.", "buffers", "fits?"])
     for t in trials:
         m = predict(t).as_dict()
-        table.add_row(t.name, str(t.nproc), fmt_bytes(m["total"]),
-                      *(fmt_bytes(m[k]) for k in ("params", "grads", "optim", "activations", "buffers")),
+        table.add_row(t.name, str(t.nproc), _mib(m["total"]),
+                      *(_mib(m[k]) for k in ("params", "grads", "optim", "activations", "buffers")),
                       "[green]yes[/green]" if m["total"] <= budget else "[red]no[/red]")
     return table
 
 
 def _accuracy_table(entries: list[Entry]) -> Table:
-    table = Table(title="predicted (planner) vs measured (tracker) peak per rank")
-    for col in ("layout", "predicted", "measured", "error"):
-        table.add_column(col, justify="left" if col == "layout" else "right")
+    table = _table("predicted (planner) vs measured MiB per rank",
+                   ["layout", "predicted", "measured", "error"])
     for e in entries:
         pred, meas = e.predicted.get("total"), e.peak_mem_bytes
-        table.add_row(e.layout, fmt_bytes(pred), fmt_bytes(meas), f"{(pred - meas) / meas:+.1%}" if meas else "-")
+        table.add_row(e.layout, _mib(pred), _mib(meas), f"{(pred - meas) / meas:+.1%}" if meas else "-")
     return table
 
 
-def _table(entries: list[Entry], budget: str) -> Table:
-    table = Table(title=f"per-rank memory under a {budget} budget (measured; most-loaded rank)")
-    for col in ("layout", "fits?", "peak", "params", "grads", "optim", "activations", "other", "final loss"):
-        table.add_column(col, justify="left" if col in ("layout", "fits?") else "right")
+def _measured_table(entries: list[Entry], budget: str) -> Table:
+    table = _table(f"measured MiB per rank (most-loaded rank, at its peak) under the {budget} budget",
+                   ["layout", "ranks", "fits?", "peak", "params", "grads", "optim", "activ.", "other",
+                    "final loss"])
     for e in entries:
         worst = max(e.mem, key=lambda m: m["peak"]) if e.mem else {}
-        table.add_row(e.layout, "[green]yes[/green]" if e.fits else "[red]no[/red]", fmt_bytes(e.peak_mem_bytes),
-                      *(fmt_bytes(worst.get(k)) for k in ("params", "grads", "optim", "activations", "other")),
+        table.add_row(e.layout, str(e.ranks), "[green]yes[/green]" if e.fits else "[red]no*[/red]",
+                      _mib(e.peak_mem_bytes),
+                      *(_mib(worst.get(k)) for k in ("params", "grads", "optim", "activations", "other")),
                       f"{e.final_loss:.4f}" if e.final_loss is not None else "-")
+    if not all(e.fits for e in entries):
+        table.caption = f"* over the budget: measured in a {PROBE_STEPS}-step run without it"
     return table
 
 
-def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET) -> int:
-    """Run every demo layout; print the table and write summary.json. Returns the exit code."""
-    console = Console(width=None if Console().is_terminal else 120)
+def parity_text(entries: list[Entry]) -> str | None:
+    """Why every layout that fits ends at the same loss, with the measured spread of those losses."""
+    losses = [e.final_loss for e in entries if e.fits and e.final_loss is not None]
+    if len(losses) < 2:
+        return None
+    spread = max(losses) - min(losses)
+    return (f"Every layout that fits ends at the same loss, {min(losses):.4f} (largest difference between them: "
+            f"{spread:.1e}). Each trains the same model, initialised from the same seed, on the same batches "
+            f"in the same order; a layout changes only where tensors live and how ranks exchange them, so each "
+            f"computes what one device would, up to float rounding (sums added in another order; the parity "
+            f"tests hold every layout to 1e-5 of a one-process run).")
+
+
+def floor_text(floor: dict[str, float] | None, losses: list[float]) -> str | None:
+    """What the synthetic data's loss floor is, and how far the demo's short runs are from it."""
+    if floor is None:
+        return None
+    where = f" ({min(losses):.4f} after {DEMO_STEPS} steps)" if losses else ""
+    return (f"The loss floor: the data is a synthetic Markov chain over {floor['vocab']} tokens (each token has "
+            f"{floor['successors']} likely successors with Dirichlet({floor['alpha']:g}) weights, and a "
+            f"{floor['restart']:g} chance of any token instead). Its entropy rate, {floor['floor']:.2f} "
+            f"nats/token, is the lowest loss any model can reach on it. Training starts near ln "
+            f"{floor['vocab']} = {floor['uniform']:.2f} (a uniform guess); the demo's runs measure memory, so "
+            f"their loss{where} has only begun to fall toward the floor.")
+
+
+class KeptWarnings:
+    """Python warnings raised in this process go to `path` (created at the first one), not the console."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.count = 0
+
+    def __enter__(self) -> KeptWarnings:
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.showwarning = self._write
+        return self
+
+    def _write(self, message: Any, category: type, filename: str, lineno: int, file: Any = None,
+               line: str | None = None) -> None:
+        self.count += 1
+        with contextlib.suppress(OSError):  # a warning must never end the demo
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as handle:
+                handle.write(f"[demo] {filename}:{lineno}: {category.__name__}: {message}\n")
+
+    def __exit__(self, *exc: object) -> None:
+        self._catch.__exit__(*exc)
+
+
+def warning_logs(run_dir: Path) -> list[tuple[Path, int]]:
+    """Every non-empty warnings log under run_dir (the demo's and the ranks'), with its line count."""
+    found = []
+    for path in sorted([run_dir / "warnings.log", *run_dir.glob("*/warnings*.log")]):
+        with contextlib.suppress(OSError):
+            lines = sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip())
+            if lines:
+                found.append((path, lines))
+    return found
+
+
+def make_console() -> Console:
+    """At most WIDTH columns: the terminal's width when narrower; WIDTH when stdout is not a terminal."""
+    probe = Console()
+    return Console(width=min(probe.width, WIDTH) if probe.is_terminal else WIDTH)
+
+
+def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET, overwrite: bool = False) -> int:
+    """Run every demo layout; print the table and write summary.json. Returns the exit code.
+
+    A run_dir that holds an earlier demo's output is refused unless `overwrite` (then its layouts' runs
+    are replaced one by one)."""
+    console = make_console()
     if nproc not in (1, 2, 4):
         console.print("[red]error:[/red] --nproc must be 1, 2 or 4 (it must divide the demo's batch and heads)")
         return 2
     run_dir = Path(run_dir)
+    check_location(run_dir)
+    earlier = [p.name for p in (run_dir / "summary.json", *(run_dir / t.name for t in demo_trials(nproc)))
+               if p.exists()]
+    if earlier and not overwrite:
+        raise ConfigError(f"--run-dir {run_dir} holds an earlier demo's output ({', '.join(earlier)}): replace it "
+                          "with --overwrite, or choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    trials = demo_trials(nproc)
-    console.print(_plan_table(trials, parse_bytes(budget)))
+    (run_dir / "warnings.log").unlink(missing_ok=True)
+    with KeptWarnings(run_dir / "warnings.log"):
+        return _run(run_dir, nproc, budget, console)
+
+
+def _run(run_dir: Path, nproc: int, budget: str, console: Console) -> int:
+    from meshfit.models.config import num_params
+
+    trials, limit, start = demo_trials(nproc), parse_bytes(budget), time.monotonic()
+    model = demo_config().model.resolve()
+    family = {"llama": "Llama", "gpt": "GPT"}.get(model.family, model.family)
+    console.print(f"meshfit demo: a {num_params(model) / 1e6:.1f}M-parameter {family}-style model (dim "
+                  f"{model.dim}, {model.n_layers} layers, vocabulary {model.vocab_size}), fp32 + AdamW, with "
+                  f"a per-rank budget of {fmt_bytes(limit)}. A layout that goes over is stopped at the "
+                  f"operator that would not fit, then measured in a {PROBE_STEPS}-step run without the budget; "
+                  f"the others train {DEMO_STEPS} steps under it.")
+    console.print(_plan_table(trials, limit))
     entries = [_run_trial(t, run_dir, budget, console) for t in trials]
-    console.print(_table(entries, budget))
+    console.print(_measured_table(entries, fmt_bytes(limit)))
     console.print(_accuracy_table(entries))
     ddp, big = entries[0], entries[1]
     if ddp.peak_mem_bytes and big.peak_mem_bytes:
         console.print(f"A 4× larger micro-batch needs {fmt_bytes(big.peak_mem_bytes)} per rank instead of "
                       f"{fmt_bytes(ddp.peak_mem_bytes)}: more activations, the same replicated model states.")
     fitting = [e.layout for e in entries if e.fits]
-    console.print(f"Fit under {budget}: {', '.join(fitting) or 'none'}; did not fit: "
+    console.print(f"Fit under {fmt_bytes(limit)}: {', '.join(fitting) or 'none'}; did not fit: "
                   f"{', '.join(e.layout for e in entries if not e.fits) or 'none'}.")
+    losses = [e.final_loss for e in entries if e.fits and e.final_loss is not None]
+    for text in (parity_text(entries), floor_text(loss_floor(demo_config()), losses)):
+        if text:
+            console.print(text)
     (run_dir / "summary.json").write_text(json.dumps([e.to_json() for e in entries], indent=2))
-    memory_chart([e.to_json() for e in entries], parse_bytes(budget), run_dir / "memory.png")
-    console.print(f"summary: {run_dir / 'summary.json'}; chart: {run_dir / 'memory.png'}")
+    memory_chart([e.to_json() for e in entries], limit, run_dir / "memory.png")
+    logs = warning_logs(run_dir)
+    if logs:
+        where = ", ".join(str(p.relative_to(run_dir)) for p, _ in logs)
+        console.print(f"Warnings kept off the console: {sum(n for _, n in logs)} lines in {run_dir}: {where}")
+    console.print(f"Done in {time.monotonic() - start:.0f} s. summary: {run_dir / 'summary.json'}; chart: "
+                  f"{run_dir / 'memory.png'}")
     return 0

@@ -16,7 +16,7 @@ from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.hardware import GPUS, Cluster, get_gpu
 from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Workload, parse_assignments,
                                     parse_layout)
-from meshfit.units import fmt_bytes, parse_bytes
+from meshfit.units import fmt_bytes, fmt_count, parse_bytes
 
 
 class PlanInputError(ValueError):
@@ -152,7 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     console = Console(width=None if Console().is_terminal else 160)
     usable = plan.to_json(top=0)["cluster"]["usable_bytes"]
-    console.print(f"[bold]{name}[/bold] ({plan.to_json(top=0)['model']['params'] / 1e9:.2f} B params) on "
+    console.print(f"[bold]{name}[/bold] ({fmt_count(plan.to_json(top=0)['model']['params'])} params) on "
                   f"{cluster.nodes} × {cluster.gpus_per_node} {cluster.gpu.name}, seq {workload.seq_len}, global batch "
                   f"{workload.global_batch} sequences, {workload.precision}, {workload.optimizer}: "
                   f"{len(plan.fitting)} of {len(plan.candidates)} layouts fit in {fmt_bytes(usable)} usable per GPU")

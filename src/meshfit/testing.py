@@ -17,6 +17,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from meshfit.train.launch import free_port
@@ -83,3 +84,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 proc.kill()
                 proc.join()
     return [values[r] for r in range(world_size)]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path → contents): compare two to show nothing on disk changed."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -40,3 +40,12 @@ def fmt_bytes(n: int | float | None) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} TiB"
+
+
+def fmt_count(n: int | float) -> str:
+    """A count as people say it: 812, 5.5M, 8.03B (parameters, tokens)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.3g}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{n:.0f}"

@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from meshfit.config import Config
 from meshfit.train import checkpoint_store as store
 from meshfit.train.checkpoint_store import CheckpointError
+from meshfit.train.optim import continue_schedule
+from meshfit.train.preflight import SCHEDULE_KEYS, SHAPE_KEYS, model_differences
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # A pipeline rank's model is a ModuleList of its stages: names start with the stage's index in that list.
@@ -74,7 +76,7 @@ def _marker_info(run: Any, step: int) -> dict[str, Any]:
             "layout": run.shape.dims.describe(), "zero_stage": run.shape.zero_stage,
             "model": run.cfg.model.model_dump(exclude={"init_from"}),
             "model_config": dataclasses.asdict(run.shape.model),
-            "train": {"global_batch": run.cfg.train.global_batch, "seq_len": run.cfg.train.seq_len}}
+            "train": {key: getattr(run.cfg.train, key) for key in (*SHAPE_KEYS, *SCHEDULE_KEYS)}}
 
 
 class Checkpointer:
@@ -110,8 +112,14 @@ class Checkpointer:
         start = time.perf_counter()
         folder = store.step_dir(self.root, step)
         if self.rank == 0:
-            store.set_aside_newer(self.root, step)
-            if folder.exists():  # a save of this step from an earlier attempt: never mix the two
+            moved, deleted = store.set_aside_newer(self.root, step, self.section.keep_latest)
+            if moved:
+                _say(0, f"this run continues from an earlier step: set aside the checkpoints "
+                        f"{', '.join(p.name for p in moved)} in {moved[0].parent} (checkpoint.keep_latest="
+                        f"{self.section.keep_latest} are kept there)")
+            if deleted:
+                _say(0, f"deleted older set-aside checkpoints: {', '.join(str(p) for p in deleted)}")
+            if folder.exists():  # an interrupted save of this step by an earlier attempt: never mix the two
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
         dist.barrier()
@@ -214,8 +222,8 @@ class Checkpointer:
                        optim_state_dict=optim_sd, options=_OPTIONS)
         train = state["train"]
         run.scheduler.load_state_dict(train["scheduler"])
-        for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr  # the restored schedule's rate, as its next step() would set it
+        # The saved position in the schedule, under this run's schedule (steps, warmup and lr may differ).
+        continue_schedule(run.optimizer, run.scheduler, run.cfg.train)
         run.batches.load_state_dict(train["data"])
         step = int(train["step"])
         if same_world:
@@ -229,12 +237,7 @@ class Checkpointer:
 
 
 def _check_compatible(folder: Path, marker: dict[str, Any], run: Any) -> None:
-    # Fields added since a checkpoint was written take their defaults (e.g. no vocabulary padding).
-    defaults = {f.name: f.default for f in dataclasses.fields(type(run.shape.model))
-                if f.default is not dataclasses.MISSING}
-    saved = {**defaults, **marker.get("model_config", {})}
-    now = dataclasses.asdict(run.shape.model)
-    diff = [f"model.{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    diff = model_differences(marker, run.shape.model)
     if diff:
         raise CheckpointError(f"checkpoint {folder} holds another model; set the model section as saved:\n  "
                               + "\n  ".join(diff))

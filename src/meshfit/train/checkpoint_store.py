@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -119,18 +120,30 @@ def choose(root: Path, pinned: Path | None = None) -> tuple[Path | None, dict[st
     return None, None
 
 
-def set_aside_newer(root: Path, step: int) -> list[Path]:
-    """Move checkpoints newer than `step` (a run resumed from an older one) to ROOT/superseded/, so the
-    latest checkpoint is always on the current run's timeline; nothing is deleted."""
+def set_aside_newer(root: Path, step: int, keep: int) -> tuple[list[Path], list[Path]]:
+    """Move checkpoints newer than `step` (a run resumed from an older one), and a complete one of `step`
+    itself, to ROOT/superseded/ before `step` is saved, so the latest checkpoint is always on the current
+    run's timeline and nothing complete is overwritten. ROOT/superseded/ keeps its newest `keep`
+    folders (by the time they were set aside). Returns (moved, deleted)."""
     moved = []
+    shelf = Path(root) / "superseded"
+    now = time.time()  # one time for everything set aside together: ties fall back to the step
     for number, folder in step_folders(root):
-        if number > step:
-            target = Path(root) / "superseded" / folder.name
-            shutil.rmtree(target, ignore_errors=True)
-            target.parent.mkdir(exist_ok=True)
+        if number > step or (number == step and (folder / MARKER).is_file()):
+            target = shelf / folder.name
+            if target.exists():  # the same step set aside before: keep both, the older one renamed
+                target.rename(shelf / f"{folder.name}.{int(target.stat().st_mtime)}")
+            shelf.mkdir(exist_ok=True)
             folder.rename(target)
+            os.utime(target, (now, now))  # its time on the shelf counts from now
             moved.append(target)
-    return moved
+    deleted = []
+    if shelf.is_dir():
+        shelved = sorted(shelf.iterdir(), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+        for folder in shelved[keep:]:
+            shutil.rmtree(folder, ignore_errors=True)
+            deleted.append(folder)
+    return moved, deleted
 
 
 def prune(root: Path, keep: int, current: Path) -> list[Path]:

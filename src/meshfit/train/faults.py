@@ -139,7 +139,8 @@ def write_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 class StopRequest:
-    """SIGTERM (or SIGINT) asks for a clean stop: the ranks agree at the end of a step, save and exit 0."""
+    """SIGTERM or SIGINT asks for a clean stop: the ranks agree at the end of a step, save and stop (result
+    status "interrupted"; the command exits 0 after SIGTERM, 130 after Ctrl-C)."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -153,8 +154,11 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        # The first signal names the stop: a launcher passes the user's Ctrl-C on to ranks that already
+        # got it from the terminal, and a second one must not abort the save.
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

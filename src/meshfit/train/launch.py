@@ -10,17 +10,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
 import sys
 import uuid
 import signal
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshfit.config import Config
-from meshfit.train.shape import resolve_run
+from meshfit.train import preflight
+from meshfit.train.shape import RunShape, resolve_run
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Outcome:
     failed_ranks: tuple[int, ...] = ()
     exit_codes: dict[int, int] = field(default_factory=dict)  # local ranks that exited non-zero (--nproc)
     notes: list[str] = field(default_factory=list)  # e.g. failures a restart recovered from
+    signal: str = ""  # the signal that reached the launcher (SIGINT, SIGTERM), if one did
 
     @property
     def message(self) -> str:
@@ -64,30 +67,39 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
-    """Write the resolved config the ranks read; stale failure reports and results are removed (metrics of
-    steps a resumed run keeps stay: rank 0 trims metrics.jsonl to the step it continues from)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(run_dir / "failures", ignore_errors=True)
-    (run_dir / "result.json").unlink(missing_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: int | None) -> str:
+    """One line before training: what runs, where, and for how long."""
+    from meshfit.models.config import num_params
+    from meshfit.units import fmt_count
+
+    model = shape.model
+    stage = f", zero_stage={shape.zero_stage}" if shape.dims.dp > 1 else ""
+    steps = cfg.train.steps if cfg.train.stop_after is None else min(cfg.train.steps, cfg.train.stop_after)
+    first = "" if start_step is None else f" from step {start_step + 1}"
+    precision = "bf16 mixed" if shape.mixed_precision else "fp32"
+    return (f"meshfit train: model {cfg.model.preset} ({fmt_count(num_params(model))} params, {model.n_layers} "
+            f"layers, dim {model.dim}), layout {shape.dims.describe()}{stage}, {world} rank"
+            f"{'s' if world > 1 else ''}, {precision}; steps up to {steps}{first} of {cfg.train.steps}, "
+            f"global batch {cfg.train.global_batch} × {cfg.train.seq_len} tokens; run directory {run_dir}")
 
 
-def collect(run_dir: Path, exit_codes: dict[int, int] | None = None) -> Outcome:
-    """The run's outcome from what the ranks left in run_dir: result.json, failures/rank<N>.json.
+def collect(run_dir: Path, exit_codes: dict[int, int] | None = None, since: float = 0.0) -> Outcome:
+    """The run's outcome from what the ranks of the launch that started at `since` left in run_dir:
+    result.json, failures/rank<N>.json (older files are an earlier launch's and are not read).
 
     Failures of an earlier attempt that a restart recovered from become notes of a successful outcome."""
     reports = sorted(
-        (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank*.json")), key=lambda r: r["time"]
-    ) if (run_dir / "failures").is_dir() else []
-    result_file = run_dir / "result.json"
-    result = json.loads(result_file.read_text()) if result_file.exists() else None
+        (r for p in (run_dir / "failures").glob("rank*.json") if (r := _read_json(p)) and r.get("time", 0) >= since),
+        key=lambda r: r["time"]) if (run_dir / "failures").is_dir() else []
+    result = _read_json(run_dir / "result.json")
+    if result is not None and result.get("finished_at", 0) < since:
+        result = None  # an earlier launch's result: this one ended before writing its own
     attempt = result.get("attempt", 0) if result else None
     current = [r for r in reports if result is None or r.get("attempt", 0) >= attempt]
     if current:
         return Outcome(ok=False, failure=current[0], failed_ranks=tuple(sorted(r["rank"] for r in current)),
                        exit_codes=exit_codes or {})
-    if result is not None:
+    if result is not None and result.get("status") != "failed":
         notes = [f"recovered: attempt {r.get('attempt', 0)} failed on rank {r['rank']} ({r['message']}); "
                  f"restart {attempt} resumed from the last complete checkpoint" for r in reports[:1]]
         if attempt and not reports:
@@ -96,14 +108,27 @@ def collect(run_dir: Path, exit_codes: dict[int, int] | None = None) -> Outcome:
     return Outcome(ok=False, exit_codes=exit_codes or {})
 
 
-def _launch_local(run_dir: Path, nproc: int, max_restarts: int = 0) -> dict[int, int]:
-    """Run the ranks; returns the exit codes of those that failed (empty when all succeeded)."""
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # absent, or cut short by a killed rank
+    return data if isinstance(data, dict) else None
+
+
+def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: int = 0) -> tuple[dict[int, int], str]:
+    """Run the ranks; returns the exit codes of those that failed (empty when all succeeded) and the name
+    of the signal that reached this launcher ("" when none)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Ranks share the cores: without this each would start one thread per core and oversubscribe them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # torch's elastic agent logs its own view of every shutdown (e.g. "Received 2 death signal"); the
+    # outcome is reported once, from the ranks' reports. Its loggers set their own levels: quiet each.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8], rdzv_backend="c10d",
@@ -111,35 +136,78 @@ def _launch_local(run_dir: Path, nproc: int, max_restarts: int = 0) -> dict[int,
         start_method="spawn",
     )
     try:
-        elastic_launch(config, sys.executable)("-m", "meshfit.train.worker", str(run_dir))
+        elastic_launch(config, sys.executable)("-m", "meshfit.train.worker", str(run_dir), str(config_file),
+                                               "--launched")
     except ChildFailedError as exc:
         # The ranks' own reports in run_dir/failures say what happened; exit codes cover ranks that died.
-        return {failure.local_rank: failure.exitcode for failure in exc.failures.values()}
-    except SignalException:
-        pass  # SIGTERM/SIGINT reached this launcher: torch passed it to the ranks, which saved and stopped
-    return {}
+        return {failure.local_rank: failure.exitcode for failure in exc.failures.values()}, ""
+    except SignalException as exc:
+        # SIGTERM/SIGINT reached this launcher: torch passed it on to the ranks and waited for them to
+        # save and stop.
+        return {}, signal.Signals(exc.sigval).name
+    return {}, ""
 
 
-def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: int = 0) -> Outcome:
+def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: int = 0,
+           overwrite: bool = False) -> Outcome:
     """Validate, then train with `nproc` local ranks (None: one, or the ranks of an outer torchrun).
 
-    `max_restarts`: with local ranks, restart them all up to that many times after a failure; each
-    restart resumes from the latest complete checkpoint."""
+    Nothing is written before every check passed (preflight.py): a new run into a directory holding
+    another run is refused unless `overwrite` (or checkpoint.resume continues it). `max_restarts`: with
+    local ranks, restart them all up to that many times after a failure; each restart resumes from the
+    latest complete checkpoint."""
     run_dir = Path(run_dir)
-    from meshfit.train.worker import run_worker
+    from meshfit.train.worker import INTERRUPTED, run_worker
 
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (nproc or 1)
+    shape = resolve_run(cfg, world)  # raises ConfigError before any rank starts
+    resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from is not None
+    leader = not under_torchrun() or int(os.environ.get("RANK", 0)) == 0
+    removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
+    lines, start_step = preflight.check_resume(cfg, run_dir, shape.model) if resuming else ([], None)
+    if leader:
+        for line in [*lines, banner(cfg, shape, run_dir, world, start_step)]:
+            print(line, file=sys.stderr, flush=True)
+    since = time.time()
     if under_torchrun():
-        # Every rank of an outer torchrun lands here with the same config. The first rank of each node
-        # prepares that node's run directory; the others pass it in memory and meet it at the rendezvous.
-        resolve_run(cfg, int(os.environ["WORLD_SIZE"]))
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            prepare_run_dir(cfg, run_dir)
+        # Every rank of an outer torchrun lands here with the same config and trains it; rank 0 writes.
+        if int(os.environ.get("RANK", 0)) == 0:
+            preflight.clear(removed)
         run_worker(run_dir, cfg)
-        return collect(run_dir)
-    resolve_run(cfg, nproc or 1)  # raises ConfigError before any rank starts
-    prepare_run_dir(cfg, run_dir)
+        return collect(run_dir, since=since)
+    if removed:
+        preflight.clear(removed)
+        print(f"--overwrite: removed the earlier run's {', '.join(p.name for p in removed)} in {run_dir}",
+              file=sys.stderr, flush=True)
     if not nproc or nproc == 1:
-        run_worker(run_dir, cfg)
-        return collect(run_dir)
-    return collect(run_dir, _launch_local(run_dir, nproc, max_restarts))
+        code = run_worker(run_dir, cfg, quiet=True)
+        return _outcome(run_dir, collect(run_dir, since=since), "SIGINT" if code == INTERRUPTED else "", since)
+    with tempfile.TemporaryDirectory(prefix="meshfit-launch-") as tmp:
+        # The ranks read the validated config from here: run_dir/config.yaml is only replaced once
+        # training begins (a failed start leaves the run's files as they were).
+        config_file = Path(tmp) / "config.yaml"
+        config_file.write_text(cfg.to_yaml())
+        codes, received = _launch_local(run_dir, config_file, nproc, max_restarts)
+    return _outcome(run_dir, collect(run_dir, codes, since), received, since)
 
+
+def _record_failure(run_dir: Path, outcome: Outcome, since: float) -> None:
+    """result.json of a run that began training in this launch (its config.yaml is this launch's) and
+    then failed where rank 0 could not say so itself (killed, or stuck in a collective)."""
+    config = run_dir / "config.yaml"
+    if not config.is_file() or config.stat().st_mtime < since:
+        return  # a failed start: the run's files stay as they were
+    result = _read_json(run_dir / "result.json")
+    if result is not None and result.get("finished_at", 0) >= since:
+        return  # rank 0 recorded it
+    record = {"status": "failed", "error": outcome.message, "finished_at": time.time(),
+              "failed_ranks": list(outcome.failed_ranks)}
+    (run_dir / "result.json").write_text(json.dumps(record, indent=2))
+
+
+def _outcome(run_dir: Path, outcome: Outcome, received: str, since: float) -> Outcome:
+    """Say which signal reached the launcher, and record a run that failed after it began training."""
+    outcome.signal = received
+    if not outcome.ok and (outcome.failure or not received):
+        _record_failure(run_dir, outcome, since)
+    return outcome

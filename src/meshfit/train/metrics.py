@@ -1,4 +1,4 @@
-"""Per-step metrics: the JSON-lines file, console progress, and the MFU estimate.
+"""Per-step metrics: the JSON-lines file, console progress, optional TensorBoard events, and the MFU estimate.
 
 MFU = tokens_per_s × flops_per_token / (world_size × peak_flops_per_device), where flops_per_token is
 6 × (matmul parameters, including the output head) + 12 × n_layers × dim × seq_len (attention scores and
@@ -17,7 +17,7 @@ import torch
 
 from meshfit.units import fmt_bytes
 
-# Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity).
+
 def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
     """Achievable fp32 matmul FLOP/s of this process's threads: the CPU has no datasheet peak to use."""
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -61,6 +61,39 @@ def _keep_records_through(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+TENSORBOARD_DIR = "tensorboard"  # under the run directory; `tensorboard --logdir RUN_DIR/tensorboard`
+
+
+def open_tensorboard(log_dir: Path, start_step: int = 0) -> Any:
+    """A SummaryWriter for `log_dir`, imported only here: tensorboard is needed only when asked for.
+
+    `start_step`: a resumed run hides the events of steps after it (they run again), as metrics.jsonl
+    drops their records."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise RuntimeError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                           "(or set metrics.tensorboard=false)") from None
+    # TensorBoard hides earlier files' events from purge_step on: an attempt that died after logging
+    # steps past its last checkpoint leaves them behind (from step 1 when it had none).
+    return SummaryWriter(str(log_dir), purge_step=start_step + 1)
+
+
+def tensorboard_scalars(rec: dict[str, Any]) -> dict[str, float]:
+    """The scalars of one step record, by TensorBoard tag (mfu only where a peak FLOP/s was known)."""
+    scalars = {"train/loss": rec["loss"], "train/grad_norm": rec["grad_norm"], "train/lr": rec["lr"],
+               "perf/tokens_per_s": rec["tokens_per_s"], "perf/step_time_s": rec["step_time_s"],
+               "memory/peak_mem_bytes": rec["peak_mem_bytes"]}
+    if rec.get("mfu") is not None:
+        scalars["perf/mfu"] = rec["mfu"]
+    # The most-loaded rank's breakdown at its peak: what decides whether the layout fits.
+    worst = max(rec.get("mem") or [{}], key=lambda m: m.get("peak", 0))
+    for key in ("params", "grads", "optim", "activations", "other"):
+        if key in worst:
+            scalars[f"memory/{key}_bytes"] = worst[key]
+    return scalars
+
+
 class MetricsLog:
     """Rank 0's view: appends one JSON object per optimizer step and prints progress.
 
@@ -68,11 +101,15 @@ class MetricsLog:
     """
 
     def __init__(self, path: Path | None, total_steps: int, log_every: int = 1, enabled: bool = True,
-                 start_step: int = 0):
+                 start_step: int = 0, tensorboard: bool = False):
         """`start_step`: the step a resumed run continues from. Records of later steps (logged by an
-        attempt that died before its next checkpoint) are dropped: those steps run again."""
+        attempt that died before its next checkpoint) are dropped: those steps run again.
+        `tensorboard`: also write event files to `path`'s folder / tensorboard (metrics.tensorboard)."""
         self.enabled = enabled
         self.log_every = log_every
+        # Opened first: a missing tensorboard package fails before metrics.jsonl is touched.
+        self.writer = (open_tensorboard(path.parent / TENSORBOARD_DIR, start_step)
+                       if (enabled and path and tensorboard) else None)
         if enabled and path:
             _keep_records_through(path, start_step)
         self.file = path.open("a") if (enabled and path) else None
@@ -91,6 +128,10 @@ class MetricsLog:
         if self.file:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
+        if self.writer is not None:
+            for tag, value in tensorboard_scalars(rec).items():
+                self.writer.add_scalar(tag, value, rec["step"], walltime=rec.get("time"))
+            self.writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged
         info = (f"loss {rec['loss']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
                 f"{rec['tokens_per_s']:.0f} tok/s | peak {fmt_bytes(rec['peak_mem_bytes'])}")
         if self.progress is not None:
@@ -103,3 +144,5 @@ class MetricsLog:
             self.progress.stop()
         if self.file:
             self.file.close()
+        if self.writer is not None:
+            self.writer.close()

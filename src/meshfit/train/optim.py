@@ -42,3 +42,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> to
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, train.warmup_steps, train.steps, train.min_lr_ratio)
     )
+
+
+def continue_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                      train: TrainSection) -> None:
+    """After loading a checkpoint: keep its position in the schedule (`scheduler.last_epoch`) but take the
+    peak rate and shape from this run's config, so a changed train.lr, steps or warmup applies from the
+    first resumed step instead of the saved groups' rates."""
+    factor = lr_factor(scheduler.last_epoch, train.warmup_steps, train.steps, train.min_lr_ratio)
+    scheduler.base_lrs = [train.lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = train.lr
+        group["lr"] = train.lr * factor
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

@@ -262,17 +262,17 @@ def summarize(run: Run) -> dict[str, Any]:
 
 
 def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
-    """Train `cfg` on this rank; rank 0 writes metrics.jsonl and result.json into run_dir.
+    """Train `cfg` on this rank; rank 0 writes config.yaml (once training begins), metrics.jsonl and
+    result.json into run_dir.
 
     Resumes from a checkpoint when asked (checkpoint.resume / resume_from) or when torchrun restarted the
-    run after a failure; saves every checkpoint.interval steps, at the end, and when SIGTERM asks to stop.
+    run after a failure; saves every checkpoint.interval steps, at the end, and when a signal asks to stop.
     """
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
     faults = Faults(env.rank)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     stop = StopRequest()
     stop.install()
+    writer = env.rank == 0 and run_dir is not None
     with Watchdog(cfg.train.timeout_s, env.rank, run_dir) as watchdog:
         try:
             watchdog.arm("building the run")
@@ -280,24 +280,50 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
             ckpt = Checkpointer(cfg, env.rank, run_dir, faults)
             watchdog.arm("loading the checkpoint")
             run.step = run.start_step = ckpt.restore(run, restarted=attempt > 0)
-            _loop(run, ckpt, StepGuard(run, faults, stop, ckpt), watchdog, faults)
+            if writer:
+                begin_run(cfg, run_dir, run.start_step)
+            try:
+                _loop(run, ckpt, StepGuard(run, faults, stop, ckpt), watchdog, faults)
+            except BaseException as exc:
+                if writer:  # the run began: its result says it failed (the failure report says why)
+                    _write_result(run_dir, {**summarize(run), "status": "failed", "error": str(exc),
+                                            "attempt": attempt})
+                raise
         finally:
             stop.uninstall()
     result = summarize(run)
     result.update(attempt=attempt, checkpoint=str(ckpt.last_folder) if ckpt.last_folder else None,
-                  checkpoint_save_s=ckpt.save_seconds)
+                  checkpoint_save_s=ckpt.save_seconds, status="finished")
     if stop.requested:
-        result["stopped"] = f"{stop.signal_name or 'stop request'} after step {run.step}"
-    if env.rank == 0 and run_dir is not None:
-        (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+        result.update(status="interrupted", signal=stop.signal_name,
+                      stopped=f"{stop.signal_name or 'stop request'} after step {run.step}")
+    if writer:
+        _write_result(run_dir, result)
     return result
+
+
+def begin_run(cfg: Config, run_dir: Path, start_step: int) -> None:
+    """config.yaml is the config of the launch that trains now; a resumed launch that changed it keeps the
+    one before as config-step-<N>.yaml (N: the step it continued from), so no setting is lost."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path, text = run_dir / "config.yaml", cfg.to_yaml()
+    if path.is_file() and path.read_text() != text and start_step > 0:
+        path.rename(run_dir / f"config-step-{start_step}.yaml")
+    path.write_text(text)
+
+
+def _write_result(run_dir: Path, result: dict[str, Any]) -> None:
+    result = {**result, "finished_at": time.time()}
+    tmp = run_dir / ".result.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(run_dir / "result.json")  # never a half-written result
 
 
 def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, faults: Faults) -> None:
     cfg = run.cfg
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     log = MetricsLog(run.run_dir / "metrics.jsonl" if run.run_dir else None, cfg.train.steps, cfg.train.log_every,
-                     enabled=run.env.rank == 0, start_step=run.step)
+                     enabled=run.env.rank == 0, start_step=run.step, tensorboard=cfg.metrics.tensorboard)
     try:
         while run.step < end and not guard.stop_requested:
             watchdog.arm(f"step {run.step + 1}")

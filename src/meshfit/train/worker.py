@@ -1,43 +1,77 @@
-"""Entry point of one rank: `python -m meshfit.train.worker RUN_DIR` (started by torchrun's machinery).
+"""Entry point of one rank: `python -m meshfit.train.worker RUN_DIR CONFIG [--launched]` (started by
+torchrun's machinery).
 
-Reads RUN_DIR/config.yaml (written and validated by the launcher), trains, and on any error writes
-RUN_DIR/failures/rank<N>.json so the launcher can report one clear message. The process ends with
-os._exit after teardown: it avoids a gloo teardown race that can abort a rank after training finished.
+Reads CONFIG (written and validated by the launcher), trains, and on any error writes
+RUN_DIR/failures/rank<N>.json so the launcher can report one clear message (`--launched`: the local
+launcher prints it once; otherwise each rank also prints its own). Python warnings go to
+RUN_DIR/warnings.log, not the console. Ctrl-C while the rank starts ends it quietly with 130; once
+training runs, a signal asks for a clean stop (faults.StopRequest). The process ends with os._exit after
+teardown: it avoids a gloo teardown race that can abort a rank after training finished.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
+from typing import Any
 
-import yaml
-
-from meshfit.config import Config, config_from_dict
-from meshfit.train.dist import init_distributed, teardown
-from meshfit.train.faults import write_failure
-from meshfit.train.trainer import train
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
-def run_worker(run_dir: Path, cfg: Config | None = None) -> int:
+def run_worker(run_dir: Path, cfg: Any, quiet: bool = False) -> int:
     """Train this rank; returns the exit code. Errors are reported in run_dir/failures, not raised."""
-    if cfg is None:
-        cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    from meshfit.train.dist import init_distributed, teardown
+    from meshfit.train.faults import write_failure
+    from meshfit.train.trainer import train
+
     rank = int(os.environ.get("RANK", 0))
-    # When the budget stops a forward pass, torch also warns that FSDP's always-call hook saw the same
-    # error; the budget error itself is what the user needs.
-    warnings.filterwarnings("ignore", message="module forward hook with ``always_call=True``")
-    try:
-        env = init_distributed(cfg.train.device, cfg.train.timeout_s)
-        train(cfg, env, run_dir)
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        write_failure(run_dir, rank, exc)
-        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
-        _abandon_group()
-        return 1
-    teardown()
+    with warnings_to_log(run_dir, rank):
+        try:
+            env = init_distributed(cfg.train.device, cfg.train.timeout_s)
+            train(cfg, env, run_dir)
+        except KeyboardInterrupt:
+            _abandon_group()  # Ctrl-C before the stop request was in place: nothing began, nothing to save
+            return INTERRUPTED
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+            write_failure(run_dir, rank, exc)
+            if not quiet:
+                print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+            _abandon_group()
+            return 1
+        teardown()
     return 0
+
+
+class warnings_to_log:  # noqa: N801 - used as a context manager, like contextlib's
+    """Route Python warnings (torch's included) to RUN_DIR/warnings.log, prefixed by the rank."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = Path(run_dir) / "warnings.log"
+        self.rank = rank
+
+    def __enter__(self) -> warnings_to_log:
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        # When the budget stops a forward pass, torch also warns that FSDP's always-call hook saw the same
+        # error; the budget error itself is what the user needs.
+        warnings.filterwarnings("ignore", message="module forward hook with ``always_call=True``")
+        warnings.showwarning = self._write
+        return self
+
+    def _write(self, message: Any, category: type, filename: str, lineno: int, file: Any = None,
+               line: str | None = None) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as handle:
+                handle.write(f"[rank {self.rank}] {filename}:{lineno}: {category.__name__}: {message}\n")
+        except OSError:
+            pass  # a warning must never end a run
+
+    def __exit__(self, *exc: object) -> None:
+        self._catch.__exit__(*exc)
 
 
 def _abandon_group() -> None:
@@ -49,7 +83,17 @@ def _abandon_group() -> None:
 
 
 def main() -> None:
-    code = run_worker(Path(sys.argv[1]))
+    code = INTERRUPTED
+    try:
+        import yaml
+
+        from meshfit.config import config_from_dict
+
+        run_dir, config_file = Path(sys.argv[1]), Path(sys.argv[2])
+        cfg = config_from_dict(yaml.safe_load(config_file.read_text()))
+        code = run_worker(run_dir, cfg, quiet="--launched" in sys.argv[3:])
+    except KeyboardInterrupt:
+        pass  # Ctrl-C while this rank was still importing: the launcher says what happened
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

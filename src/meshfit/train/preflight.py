@@ -1,0 +1,155 @@
+"""What a start may do to a run directory, decided before anything is written.
+
+A run directory holds one run: config.yaml, metrics.jsonl, result.json, checkpoints/ (and failures/,
+tensorboard/, warnings.log). A new run into a directory that holds another run's files is refused unless
+the user says `--resume` (continue it) or `--overwrite` (replace it); a resume is checked against the
+checkpoint it would load (model, batch shape) from the checkpoint's marker alone, so a refused start
+changes nothing on disk. Schedule keys changed at a resume are named here, once, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from meshfit.config import Config, ConfigError
+from meshfit.train import checkpoint_store as store
+
+# What makes a directory a run's: a new run would replace or mix with these.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "checkpoints")
+# Removed with them by --overwrite (reports and logs of the replaced run).
+RUN_EXTRAS = ("failures", "tensorboard", "warnings.log")
+# Keys whose change at a resume reshapes the learning-rate schedule.
+SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+# Keys whose change at a resume the saved data position cannot follow.
+SHAPE_KEYS = ("global_batch", "seq_len")
+
+
+def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def check_location(run_dir: Path, flag: str = "--run-dir") -> None:
+    """The directory can be created and written; names the file in the way otherwise."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{flag} {run_dir} is a file, not a directory: choose another path")
+    ancestor = run_dir
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {run_dir}: {ancestor} is a file, so no directory can be made under it")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {run_dir}: {ancestor} is not writable")
+
+
+def run_contents(run_dir: Path, root: Path) -> list[str]:
+    """A short description of each run file present (empty: no run here)."""
+    run_dir = Path(run_dir)
+    found = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        found.append(f"metrics.jsonl ({_count_lines(metrics)} steps)")
+    result = run_dir / "result.json"
+    if result.is_file():
+        found.append(f"result.json ({_result_status(result)})")
+    steps = [number for number, _ in store.step_folders(root)]
+    if steps:
+        found.append(f"checkpoints of step {', '.join(map(str, sorted(steps)))} in {root}")
+    if (run_dir / "config.yaml").is_file():
+        found.append("config.yaml")
+    return found
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def _result_status(path: Path) -> str:
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "unreadable"
+    return str(result.get("status", "finished")) if isinstance(result, dict) else "unreadable"
+
+
+def guard_new_run(cfg: Config, run_dir: Path, resume: bool, overwrite: bool) -> list[Path]:
+    """Refuse a start that would mix with or replace another run, unless asked; returns what --overwrite
+    is to remove (removed by `clear` once every other check passed)."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in --run-dir and --overwrite replaces it: give one")
+    root = checkpoint_root(cfg, run_dir)
+    check_location(run_dir)
+    if cfg.checkpoint.dir:
+        check_location(root, "checkpoint.dir")
+    contents = run_contents(run_dir, root)
+    if not contents or resume:
+        return []
+    if not overwrite:
+        raise ConfigError(f"--run-dir {run_dir} already holds a run ({'; '.join(contents)}). Continue it with "
+                          "--resume, replace it with --overwrite, or choose another --run-dir")
+    targets = [Path(run_dir) / name for name in (*RUN_FILES, *RUN_EXTRAS)]
+    if cfg.checkpoint.dir:
+        targets.append(root)
+    return [path for path in targets if path.exists()]
+
+
+def clear(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def model_differences(marker: dict[str, Any], model: Any) -> list[str]:
+    """`model.key: saved …, now …` for each field of the built model that differs from the checkpoint's."""
+    # Fields added since a checkpoint was written take their defaults (e.g. no vocabulary padding).
+    defaults = {f.name: f.default for f in dataclasses.fields(type(model)) if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **marker.get("model_config", {})}
+    now = dataclasses.asdict(model)
+    return [f"model.{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+
+
+def check_resume(cfg: Config, run_dir: Path, model: Any) -> tuple[list[str], int | None]:
+    """Lines to print about what a resume will do, and the step it continues from (None: unknown until
+    the ranks check the files; 0: no checkpoint, a fresh start); raises ConfigError when the checkpoint it would load
+    holds another model or batch shape. Reads only the newest complete checkpoint's marker: its files are
+    checked (and a damaged one skipped) by the ranks."""
+    pinned = cfg.checkpoint.resume_from
+    if pinned:
+        try:
+            marker, folder = store.read_marker(Path(pinned)), Path(pinned)
+        except store.CheckpointError as exc:
+            raise ConfigError(f"--resume-from: {exc}") from None
+    else:
+        root = checkpoint_root(cfg, run_dir)
+        complete = store.complete_checkpoints(root)
+        if not complete:
+            where = "does not exist" if not root.exists() else "holds no complete checkpoint"
+            return [f"--resume: {root} {where}; starting at step 0"], 0
+        folder = complete[0]
+        try:
+            marker = store.read_marker(folder)
+        except store.CheckpointError:
+            return [], None  # damaged marker: the ranks fall back to an older checkpoint and say so
+    problems = model_differences(marker, model)
+    saved_train = marker.get("train", {})
+    problems += [f"train.{key}: saved {saved_train[key]!r}, now {getattr(cfg.train, key)!r} (the saved data "
+                 "position counts sequences of the saved shape)"
+                 for key in SHAPE_KEYS if key in saved_train and saved_train[key] != getattr(cfg.train, key)]
+    if problems:
+        raise ConfigError(f"cannot resume from {folder}: it was saved by another run shape; set these as saved "
+                          "(or start a new run in another --run-dir):\n  " + "\n  ".join(problems))
+    changed = [f"train.{key} {saved_train[key]!r} → {getattr(cfg.train, key)!r}" for key in SCHEDULE_KEYS
+               if key in saved_train and saved_train[key] != getattr(cfg.train, key)]
+    step = marker.get("step") if isinstance(marker.get("step"), int) else None
+    if changed:
+        return [f"warning: resuming with a changed learning-rate schedule ({', '.join(changed)}): from the "
+                "first resumed step on, the learning rate follows the new schedule"], step
+    return [], step
