@@ -1,4 +1,5 @@
-"""The `meshfit` command end to end: launches, the memory budget, bad input, data sources."""
+"""The `meshfit` command end to end, each in its own process: launches, the memory budget, bad input, data
+sources."""
 
 import json
 import re
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from meshfit.cli import build_parser
+
+pytestmark = pytest.mark.multiproc  # every test starts the command (and its ranks) as processes
 
 TINY = ["--set", "model.preset=tiny", "--set", "train.steps=3", "--set", "train.seq_len=32"]
 

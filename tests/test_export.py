@@ -49,6 +49,7 @@ def test_export_matches_transformers_and_round_trips(tmp_path: Path, preset: str
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
 
 
+@pytest.mark.multiproc
 def test_training_starts_from_exported_weights_under_any_layout(tmp_path: Path) -> None:
     """A TP run saves, is exported, and a 2-rank FSDP run and a one-process run start from those weights:
     both begin at the same loss, which is the exported model's loss on the first batch."""

@@ -22,6 +22,9 @@ from meshfit.testing import run_ranks, snapshot
 from meshfit.train import checkpoint_store as store
 from meshfit.train.launch import launch
 
+# Every test here starts rank processes (torchrun launches, subprocesses or forked children).
+pytestmark = pytest.mark.multiproc
+
 DDP = [*PARITY_BASE, "train.steps=30", "parallel.dp_replicate=2", "checkpoint.interval=2"]
 
 

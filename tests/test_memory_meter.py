@@ -62,6 +62,7 @@ def test_full_tracks_every_step_and_a_cpu_budget_forces_it(world_of_one, monkeyp
             assert meter.records(1, {})[0][0]["measured"] == "tracker"
 
 
+@pytest.mark.multiproc
 def test_metrics_say_which_steps_were_measured(tmp_path):
     res = meshfit("train", "--run-dir", str(tmp_path), "--set", "train.steps=5", "--set", "train.device=cpu",
                   "--set", "train.memory_tracked_steps=2")
@@ -71,6 +72,7 @@ def test_metrics_say_which_steps_were_measured(tmp_path):
     assert all(r["mem"][0]["rss_peak"] > 0 for r in records)
 
 
+@pytest.mark.multiproc
 def test_tracking_off_with_a_cpu_budget_is_refused(tmp_path):
     res = meshfit("train", "--run-dir", str(tmp_path), "--set", "train.steps=1", "--set", "train.device=cpu",
                   "--set", "train.memory_tracking=off", "--set", "train.memory_budget=1GiB")

@@ -13,6 +13,19 @@ from meshfit.planner.layout import Layout, Workload, parse_layout
 from meshfit.planner.search import evaluate, search
 from test_cli import meshfit
 
+
+def in_process(capsys):
+    """Call `meshfit ARGS` as `main(ARGS)` in this process; returns what subprocess.run would."""
+    from types import SimpleNamespace
+
+    from meshfit.cli import main
+
+    def run(*args):
+        code = main(list(args))
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return run
+
 LLAMA70B = get_preset("llama3-70b")
 H100_64 = Cluster("H100-SXM", nodes=8, gpus_per_node=8)
 LONG = Workload(seq_len=8192, global_batch=256)
@@ -71,7 +84,7 @@ def test_layout_parsing_names_the_bad_key():
     assert parse_layout("pp=4,schedule=zbv").virtual_stages == 2
     with pytest.raises(ValueError, match="KEY one of"):
         parse_layout("dp_sharded=2")
-    with pytest.raises(ValueError, match="expected int"):
+    with pytest.raises(ValueError, match="expected an integer"):
         parse_layout("tp=two")
     with pytest.raises(ValueError, match="needs zero_stage 2 or 3"):
         parse_layout("dp_shard=2,zero_stage=1,offload=true")
@@ -93,7 +106,8 @@ def test_hf_config_json(tmp_path):
         model_from_hf_config(path)
 
 
-def test_plan_json_schema_and_bad_flags():
+def test_plan_json_schema_and_bad_flags(capsys):
+    meshfit = in_process(capsys)  # the command's own code, without a process start per call
     res = meshfit("plan", "--model", "llama3-8b", "--nodes", "2", "--seq-len", "4096", "--json", "--top", "3")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)

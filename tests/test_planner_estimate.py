@@ -55,6 +55,7 @@ def _train_peak(tmp_path, sets: list[str]) -> dict:
     return max((m for r in records if r["step"] >= 2 for m in r["mem"]), key=lambda m: m["peak"])
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("micro_batch", [1, 4])
 def test_single_rank_prediction_matches_a_real_run(tmp_path, micro_batch):

@@ -23,6 +23,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_five_steps_resume_five_steps_equals_ten_steps(tmp_path: Path) -> None:
     """Every loss and the final parameters are bit-identical to an uninterrupted run, per layout."""
@@ -38,6 +39,7 @@ def test_five_steps_resume_five_steps_equals_ten_steps(tmp_path: Path) -> None:
         assert not unequal, f"{name}: final parameters differ in {unequal}"
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_resume_under_other_layouts_and_world_sizes(tmp_path: Path) -> None:
     """ZeRO-3 ×4 → ZeRO-1 ×2 × tp 2 → DDP ×2 × tp 2 → pp 2 → one process, 3 steps each, against one process
@@ -90,6 +92,13 @@ def test_a_changed_schedule_is_named_and_followed_from_the_first_resumed_step(
 
 
 def test_resume_with_no_checkpoint_says_it_starts_at_step_0(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
-    outcome = launch(load_config(None, [*PARITY_BASE, "train.steps=1", "checkpoint.resume=true"]), tmp_path / "new")
+    outcome = launch(load_config(None, [*PARITY_BASE, "train.steps=2", "checkpoint.resume=true"]), tmp_path / "new")
     assert outcome.ok and outcome.result["start_step"] == 0
-    assert f"--resume: {tmp_path / 'new' / 'checkpoints'} does not exist; starting at step 0" in capfd.readouterr().err
+    said = capfd.readouterr()
+    assert f"--resume: {tmp_path / 'new' / 'checkpoints'} does not exist; starting at step 0" in said.err
+    # The start banner, then (not a terminal) one plain progress line per step with the ETA.
+    assert (f"meshfit train: model tiny (107K params, 2 layers, dim 64), layout single rank, 1 rank, fp32; steps "
+            f"up to 2 from step 1 of 2, global batch 8 × 64 tokens; run directory {tmp_path / 'new'}") in said.err
+    lines = [line for line in said.out.splitlines() if line.startswith("step ")]
+    assert [line.split("|")[0].split()[1] for line in lines] == ["1/2", "2/2"]
+    assert lines[0].rsplit("| eta ", 1)[1].endswith(("µs", "ms", " s")) and lines[1].endswith("| eta 0 s")

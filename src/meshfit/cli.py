@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from meshfit.config import ConfigError, load_config
-from meshfit.plan_cli import add_plan_arguments
+from meshfit.names import did_you_mean
+from meshfit.plan_cli import add_plan_arguments, positive_int
 
 _EPILOG = """\
 examples:
@@ -26,16 +27,6 @@ examples:
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m meshfit train --config run.toml           multi-node: one launch per node
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _default_run_dir(kind: str) -> Path:
@@ -54,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "model, parallel, train, data")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config value (repeatable), e.g. --set train.steps=50")
-    train.add_argument("--nproc", type=_positive_int, metavar="N",
+    train.add_argument("--nproc", type=positive_int, metavar="N",
                        help="launch N local ranks through torchrun's machinery (default: one rank in this "
                             "process, or the ranks of an enclosing torchrun)")
     train.add_argument("--plan", type=Path, metavar="PLAN.json",
@@ -79,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
     add_plan_arguments(plan, single_layout=False)
     plan.add_argument("--explain", action="store_true", help="explain which techniques are needed and why")
-    plan.add_argument("--top", type=_positive_int, default=None, metavar="N",
+    plan.add_argument("--top", type=positive_int, default=None, metavar="N",
                       help="rows in the table (default 10) / candidates in --json (default all)")
     verify = sub.add_parser("verify", help="dry-run one layout's real code at full world size with fake tensors",
                             formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
@@ -90,9 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of the written tensors (default fp32)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace model.safetensors and config.json already in --out (refused without it)")
     demo = sub.add_parser("demo", help="the seed scenario: a model over a per-rank memory budget")
     demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
-    demo.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
+    demo.add_argument("--nproc", type=positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's output in --run-dir")
     show = sub.add_parser("show", help="summary table and plots (loss, tokens/s, per-rank memory) of runs")
     show.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories of meshfit train")
@@ -114,6 +107,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"--plan {exc}") from None
         world = parts[2].world_size
+        if args.nproc is not None and args.nproc != world:
+            raise ConfigError(f"--plan {args.plan} lays the model out over {world} ranks, but --nproc is "
+                              f"{args.nproc}: use --nproc {world}, or plan for {args.nproc} GPUs")
         if world > 1 and args.nproc is None and not under_torchrun():
             raise ConfigError(f"--plan {args.plan} lays the model out over {world} ranks: add --nproc {world} "
                               f"(local ranks) or launch under torchrun with {world} processes in all")
@@ -169,11 +165,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from meshfit.export import export
     from meshfit.train.checkpoint_store import CheckpointError
 
+    notes: list[str] = []
     try:
-        files = export(args.checkpoint, args.out, args.dtype)
+        files = export(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite, notes=notes)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(note, file=sys.stderr)
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
 
@@ -216,10 +215,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    commands = {"train": _cmd_train, "plan": _cmd_plan, "verify": _cmd_verify, "export": _cmd_export,
+                "demo": _cmd_demo, "show": _cmd_show}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        print(f"error: unknown command {argv[0]!r}; {did_you_mean(argv[0], commands)}commands: "
+              f"{', '.join(commands)} (meshfit --help says what each does)", file=sys.stderr)
+        return 2
     try:
-        commands = {"train": _cmd_train, "plan": _cmd_plan, "verify": _cmd_verify, "export": _cmd_export,
-                    "demo": _cmd_demo, "show": _cmd_show}
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse has printed the usage and the error (or --help); its code is ours
+        return int(exc.code or 0)
+    try:
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

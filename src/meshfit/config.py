@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from meshfit.names import did_you_mean
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.schedules import SCHEDULES
 from meshfit.units import parse_bytes
@@ -157,15 +158,15 @@ class PipelineSection(_Section):
 
 class TrainSection(_Section):
     steps: int = 20
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     global_batch: int = 8
     micro_batch: int | None = None  # sequences per rank per forward; None = the whole local batch
     seq_len: int = 128
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 2
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # the final lr as a fraction of lr
+    warmup_steps: int = Field(2, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0 = no clipping
     precision: Literal["fp32", "bf16"] = "fp32"
     memory_budget: int | None = None  # bytes of tracked tensor memory per rank
     # When the per-operator memory tracker runs (memory/meter.py): auto = the first memory_tracked_steps
@@ -173,7 +174,7 @@ class TrainSection(_Section):
     memory_tracking: Literal["auto", "full", "off"] = "auto"
     memory_tracked_steps: int = 3
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    peak_flops: float | None = None  # per device, for MFU; None = measured (CPU) or catalog (GPU)
+    peak_flops: float | None = Field(None, gt=0)  # per device, for MFU; None = measured (CPU) or catalog (GPU)
     log_every: int = 1
     stop_after: int | None = None  # end this launch after this many steps (the LR schedule still spans `steps`)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf loss or gradient on any rank: stop, or skip the step
@@ -212,12 +213,14 @@ class TrainSection(_Section):
             raise ValueError("must be a positive integer, or null for none")
         return value
 
-    @field_validator("lr", "grad_clip")
+    @field_validator("lr")
     @classmethod
-    def _non_negative(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError("must be ≥ 0")
+    def _lr(cls, value: float) -> float:
+        # lr=0 would train nothing while looking like a run; the schedule's floor is min_lr_ratio instead.
+        if not value > 0:
+            raise ValueError("must be > 0, e.g. 3e-3 (the peak learning rate; the schedule ends at min_lr_ratio · lr)")
         return value
+
 
 
 class DataSection(_Section):
@@ -277,36 +280,80 @@ class Config(_Section):
 SECTIONS = tuple(Config.model_fields)
 
 
+# Pydantic's wording for a wrong type names its own classes ("instance of TrainSection"); users wrote a
+# config file or --set, so say what to write instead.
+_TYPE_MESSAGES = {
+    "int_parsing": "expected an integer", "int_type": "expected an integer",
+    "int_from_float": "expected an integer", "float_parsing": "expected a number", "float_type": "expected a number",
+    "bool_parsing": "expected true or false", "bool_type": "expected true or false",
+    "string_type": "expected a string", "list_type": "expected a list",
+    "model_type": "expected a section of keys (a [table] in TOML, a mapping in YAML or JSON)",
+    "dict_type": "expected a section of keys (a [table] in TOML, a mapping in YAML or JSON)",
+}
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": "≥", "less_than": "<", "less_than_equal": "≤"}
+
+
+def _unknown_key(loc: tuple) -> str:
+    section = loc[0] if len(loc) > 1 else None
+    if section in SECTIONS:
+        valid = list(Config.model_fields[section].annotation.model_fields)
+        hint = did_you_mean(loc[-1], valid, prefix=f"{section}.")
+        return f"unknown key; {hint}valid keys: {', '.join(valid)}"
+    return f"unknown section; {did_you_mean(loc[-1], SECTIONS)}valid sections: {', '.join(SECTIONS)}"
+
+
 def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            section = err["loc"][0] if len(err["loc"]) > 1 else None
-            valid = Config.model_fields[section].annotation.model_fields if section in SECTIONS else Config.model_fields
-            msg = f"unknown key; valid keys: {', '.join(valid)}"
+            msg = _unknown_key(err["loc"])
+        elif err["type"] == "literal_error":
+            msg = f"must be one of {err['ctx']['expected'].replace(' or ', ', ')}"
+        elif err["type"] in _TYPE_MESSAGES:
+            msg = _TYPE_MESSAGES[err["type"]]
+        elif err["type"] in _BOUNDS:
+            msg = f"must be {_BOUNDS[err['type']]} {next(iter(err['ctx'].values())):g}"
         got = err.get("input")
         shown = "" if isinstance(got, dict) or err["type"] == "extra_forbidden" else f" (got {got!r})"
         lines.append(f"{field}: {msg}{shown}")
     return ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(lines))
 
 
+_FORMATS = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
+
+
+def _parse_problem(exc: Exception) -> str:
+    # YAML's message spans several lines with a copy of the source; its first problem and position suffice.
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.YAMLError) and mark is not None:
+        return f"{getattr(exc, 'problem', None) or exc} (line {mark.line + 1}, column {mark.column + 1})"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def _read_file(path: Path) -> dict[str, Any]:
+    valid = "expected a .toml, .yaml, .yml or .json config file"
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a directory; {valid} (e.g. {path / 'config.yaml'})")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+        raise ConfigError(f"--config {path}: config file does not exist ({valid})")
+    if path.suffix not in _FORMATS:
+        raise ConfigError(f"--config {path}: unknown format {path.suffix!r}; {valid}")
     try:
+        text = path.read_text(encoding="utf-8")
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
             data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
         else:
-            raise ConfigError(f"config file {path}: unknown format {path.suffix!r}; use .toml, .yaml, .yml or .json")
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"config file {path} cannot be parsed: {exc}") from None
+            data = json.loads(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be parsed as {_FORMATS[path.suffix]}: "
+                          f"{_parse_problem(exc)}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)})")
     return data
@@ -326,8 +373,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not dot or not name:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=50")
         if section not in SECTIONS:
-            raise ConfigError(f"--set {item!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
-        out.setdefault(section, {})[name] = _scalar(value)
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; {did_you_mean(section, SECTIONS)}"
+                              f"valid sections: {', '.join(SECTIONS)}")
+        if not isinstance(out.setdefault(section, {}), dict):
+            raise ConfigError(f"--set {item!r}: the config file's {section!r} is {out[section]!r}, not a section "
+                              f"of keys; write it as a table/mapping (e.g. [{section}] in TOML)")
+        out[section][name] = _scalar(value)
     return out
 
 
@@ -337,6 +388,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     overrides; raises ConfigError naming each bad field."""
     data = _read_file(Path(path)) if path else {}
     for section, values in (sections or {}).items():
+        if not isinstance(data.get(section) or {}, dict):
+            raise ConfigError(f"config file {path}: {section!r} is {data[section]!r}, not a section of keys")
         data[section] = {**(data.get(section) or {}), **values}
     data = apply_overrides(data, overrides or [])
     try:

@@ -21,25 +21,54 @@ from meshfit.train import checkpoint_store as store
 from meshfit.train.checkpoint_store import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OUT_FILES = ("model.safetensors", "config.json")  # what save_hf writes
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A checkpoint folder from: itself, a checkpoints folder, or a run folder (the latest intact one)."""
+def find_checkpoint(path: Path, notes: list[str] | None = None) -> Path:
+    """A checkpoint folder from: itself, a checkpoints folder, or a run folder (the latest intact one).
+
+    A damaged checkpoint of a checkpoints or run folder is skipped for the one before it; `notes` gets a
+    line naming what was skipped and why (the export's own words, not a Python warning)."""
     path = Path(path)
     if (path / store.MARKER).is_file():
         return path
     for root in (path, path / "checkpoints"):
-        if store.step_folders(root):
-            folder, _ = store.choose(root)
-            if folder is not None:
-                return folder
-    raise CheckpointError(f"{path}: no complete checkpoint there (give a step-N folder, a checkpoints folder "
-                          "or a run folder)")
+        problems = []
+        for folder in store.complete_checkpoints(root):
+            try:
+                store.verify(folder)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            if notes is not None:
+                notes += [f"note: skipped a damaged checkpoint ({p}); exporting the one before it, {folder}"
+                          for p in problems]
+            return folder
+        if problems:
+            raise CheckpointError(f"{path}: no intact checkpoint to export; every complete one is damaged:\n  "
+                                  + "\n  ".join(problems))
+    what = "does not exist" if not path.exists() else "is a file" if path.is_file() else "holds no complete checkpoint"
+    raise CheckpointError(f"{path} {what}: give a step-N checkpoint folder, a checkpoints folder or a run folder "
+                          "of `meshfit train`")
+
+
+def check_out(out_dir: Path, overwrite: bool = False) -> None:
+    """--out can be written, and nothing there would be silently replaced (unless `overwrite`)."""
+    from meshfit.config import ConfigError
+    from meshfit.train.preflight import check_location
+
+    check_location(out_dir, "--out")
+    existing = [name for name in OUT_FILES if (Path(out_dir) / name).exists()]
+    if existing and not overwrite:
+        raise ConfigError(f"--out {out_dir} already holds {' and '.join(existing)} (an earlier export?): replace "
+                          "them with --overwrite, or choose another --out")
 
 
 def read_model(folder: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
     """Full model weights (plain names) of a checkpoint, its model config and its marker."""
     marker = store.verify(folder)
+    if not isinstance(marker.get("model_config"), dict):
+        raise CheckpointError(f"{folder / store.MARKER} has no model_config: the checkpoint's model is unknown")
     reader = FileSystemReader(str(folder))
     metadata = reader.read_metadata()
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -52,9 +81,12 @@ def read_model(folder: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict
     return weights, ModelConfig(**marker["model_config"]), marker
 
 
-def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32") -> list[Path]:
-    """Write out_dir/model.safetensors and out_dir/config.json; returns the files."""
-    folder = find_checkpoint(checkpoint)
+def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32", overwrite: bool = False,
+           notes: list[str] | None = None) -> list[Path]:
+    """Write out_dir/model.safetensors and out_dir/config.json; returns the files. Raises ConfigError for a
+    bad --out and CheckpointError for a path without an intact checkpoint, before anything is written."""
+    check_out(out_dir, overwrite)
+    folder = find_checkpoint(checkpoint, notes)
     weights, model_cfg, _ = read_model(folder)
     # Rows added for tensor parallelism are not part of the model: the export has the real vocabulary.
     return save_hf(strip_padding(weights, model_cfg), model_cfg, out_dir, DTYPES[dtype])

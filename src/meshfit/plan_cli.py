@@ -16,11 +16,53 @@ from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.hardware import GPUS, Cluster, get_gpu
 from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Workload, parse_assignments,
                                     parse_layout)
-from meshfit.units import fmt_bytes, fmt_count, parse_bytes
+from meshfit.names import did_you_mean
+from meshfit.units import fmt_bytes, fmt_count, fmt_duration, parse_bytes
 
 
 class PlanInputError(ValueError):
     """A plan/verify flag names something invalid; the message says which flag and what would be valid."""
+
+
+# Flag types: argparse then refuses a bad value naming the flag (exit 2), before anything is computed.
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text}")
+    return value
+
+
+def memory_size(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 64GiB, got {text!r}")
+    return value
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) -> None:
@@ -31,25 +73,25 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
                    help="custom dimensions on top of --model, e.g. dim=5120,n_layers=40,n_heads=40")
     g = parser.add_argument_group("cluster")
     g.add_argument("--gpu", default="H100-SXM", help=f"GPU model: {', '.join(GPUS)} (default H100-SXM)")
-    g.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    g.add_argument("--gpu-memory", metavar="SIZE", help="override the GPU's memory, e.g. 64GiB")
-    g.add_argument("--gpu-tflops", type=float, metavar="T", help="override the dense bf16 peak, TFLOP/s")
-    g.add_argument("--intra-node-gbps", type=float, metavar="GB/s", help="override the per-GPU intra-node bandwidth")
-    g.add_argument("--inter-node-gbps", type=float, metavar="GB/s", help="override the per-GPU inter-node bandwidth")
+    g.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    g.add_argument("--gpu-memory", type=memory_size, metavar="SIZE", help="override the GPU's memory, e.g. 64GiB")
+    g.add_argument("--gpu-tflops", type=positive_float, metavar="T", help="override the dense bf16 peak, TFLOP/s")
+    g.add_argument("--intra-node-gbps", type=positive_float, metavar="GB/s", help="override the per-GPU intra-node bandwidth")
+    g.add_argument("--inter-node-gbps", type=positive_float, metavar="GB/s", help="override the per-GPU inter-node bandwidth")
     g = parser.add_argument_group("workload")
-    g.add_argument("--seq-len", type=int, default=4096, help="sequence length in tokens (default 4096)")
-    g.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES",
+    g.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length in tokens (default 4096)")
+    g.add_argument("--global-batch", type=positive_int, default=None, metavar="SEQUENCES",
                    help="sequences per optimizer step (default: 4 per GPU)")
-    g.add_argument("--global-batch-tokens", type=int, default=None, metavar="TOKENS",
+    g.add_argument("--global-batch-tokens", type=positive_int, default=None, metavar="TOKENS",
                    help="global batch in tokens instead (a multiple of --seq-len)")
-    g.add_argument("--micro-batch", type=int, default=None, help="sequences per forward pass (default: all choices)")
+    g.add_argument("--micro-batch", type=positive_int, default=None, help="sequences per forward pass (default: all choices)")
     g.add_argument("--precision", choices=PRECISIONS, default="mixed",
                    help="fp32 | mixed (bf16 compute, fp32 master weights and states) | bf16 (pure)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     g.add_argument("--attention", choices=ATTENTIONS, default="flash",
                    help="eager stores attention scores; flash (SDPA) does not")
-    g.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default 0)")
+    g.add_argument("--dropout", type=probability, default=0.0, metavar="P", help="dropout probability (default 0)")
     g.add_argument("--activation-checkpointing", choices=AC_MODES, default=None,
                    help="fix the checkpointing mode (default: evaluate all)")
     g = parser.add_argument_group("output")
@@ -70,22 +112,29 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     elif spec in PRESETS:
         name, model = spec, PRESETS[spec]
     else:
-        raise PlanInputError(f"--model {spec!r}: not a preset or a config.json file; presets: {', '.join(PRESETS)}")
+        raise PlanInputError(f"--model {spec!r}: not a preset or a config.json file; {did_you_mean(spec, PRESETS)}"
+                             f"presets: {', '.join(PRESETS)}")
     try:
         changes = parse_assignments(dims, ModelConfig, "--dims")
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
     if changes:
         name, model = f"{name}+custom", dataclasses.replace(model, **changes)
-    model.validate()
+    try:
+        model.validate()
+    except ValueError as exc:
+        raise PlanInputError(f"{'--dims' if changes else '--model ' + spec}: {exc}") from None
     return name, model
 
 
 def resolve_cluster(args: argparse.Namespace) -> Cluster:
-    gpu = get_gpu(args.gpu)
+    try:
+        gpu = get_gpu(args.gpu)
+    except ValueError as exc:
+        raise PlanInputError(f"--gpu: {exc}") from None
     changes = {}
     if args.gpu_memory:
-        changes["memory_bytes"] = parse_bytes(args.gpu_memory)
+        changes["memory_bytes"] = args.gpu_memory
     if args.gpu_tflops:
         changes["bf16_flops"] = args.gpu_tflops * 1e12
     if args.intra_node_gbps:
@@ -112,9 +161,55 @@ def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
     return workload
 
 
+def check_layout(model, layout, workload: Workload, cluster: Cluster | None = None) -> None:
+    """Refuse, naming the flags, a layout that cannot run this model and workload (on this cluster)."""
+    from meshfit.parallel.dims import divisors
+    from meshfit.parallel.tensor_parallel import tp_degree_error
+
+    if cluster is not None and layout.world_size != cluster.world_size:
+        raise PlanInputError(f"--layout {layout.describe()} spans {layout.world_size} GPUs (pp × dp_replicate × "
+                             f"dp_shard × tp), the cluster {cluster.world_size} (--nodes {cluster.nodes} × "
+                             f"--gpus-per-node {cluster.gpus_per_node}): make the two equal")
+    if workload.seq_len > model.max_seq_len:
+        raise PlanInputError(f"--seq-len {workload.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; "
+                             f"use --seq-len ≤ {model.max_seq_len} (or --dims max_seq_len=…)")
+    error = tp_degree_error(model, layout.tp, workload.seq_len, layout.sp) if layout.tp > 1 else None
+    if error:
+        raise PlanInputError(error.replace("parallel.tp", "--layout tp").replace("train.seq_len", "--seq-len"))
+    dp, batch = layout.dp, workload.global_batch
+    if batch % dp:
+        raise PlanInputError(f"--global-batch {batch} is not a multiple of the layout's data-parallel degree {dp} "
+                             f"(dp_replicate × dp_shard); valid: {', '.join(str(dp * k) for k in range(1, 5))}, …")
+    if (batch // dp) % layout.micro_batch:
+        raise PlanInputError(f"micro-batch {layout.micro_batch} (--micro-batch, or micro_batch in --layout) does "
+                             f"not divide the per-rank batch {batch // dp} (--global-batch {batch} / dp {dp}); "
+                             f"valid: {', '.join(map(str, divisors(batch // dp)))}")
+
+
+def _parse_layout(text: str):
+    try:
+        return parse_layout(text)
+    except ValueError as exc:  # Layout.check says "layout KEY=…": here the user wrote it as --layout
+        message = str(exc)
+        raise PlanInputError("--" + message if message.startswith("layout ") else message) from None
+
+
+def check_out_file(path: Path | None) -> None:
+    """--out names a file that can be written (checked before the search, which may take a while)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise PlanInputError(f"--out {path} is a directory; give a file name, e.g. {path / 'plan.json'}")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise PlanInputError(f"--out {path}: {ancestor} is a file, so {path.name} cannot be written under it")
+
+
 def _layout_table(plan, rows, title: str) -> Table:
     table = Table(title=title)
-    for col in ("#", "layout", "fits", "peak/rank", "params", "grads", "optim", "acts", "buffers", "step s",
+    for col in ("#", "layout", "fits", "peak/rank", "params", "grads", "optim", "acts", "buffers", "step time",
                 "tokens/s", "MFU"):
         table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
     for i, c in enumerate(rows, 1):
@@ -122,7 +217,7 @@ def _layout_table(plan, rows, title: str) -> Table:
         table.add_row(str(i), c.layout.describe(), "[green]yes[/green]" if c.fits else "[red]no[/red]",
                       fmt_bytes(m["total"]), *(fmt_bytes(m[k]) for k in ("params", "grads", "optim", "activations",
                                                                          "buffers")),
-                      f"{c.time.total_s:.2f}", f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.0%}")
+                      fmt_duration(c.time.total_s), f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.0%}")
     return table
 
 
@@ -131,11 +226,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from meshfit.planner.planfile import write_plan
     from meshfit.planner.search import Plan, evaluate, search
 
+    check_out_file(args.out)
     name, model = resolve_model(args.model, args.dims)
     cluster = resolve_cluster(args)
     workload = resolve_workload(args, cluster.world_size)
     if args.layout:
-        layout = parse_layout(args.layout)
+        layout = _parse_layout(args.layout)
+        if args.micro_batch:
+            layout = dataclasses.replace(layout, micro_batch=args.micro_batch)
+        check_layout(model, layout, workload, cluster)
         plan = Plan(model=model, model_name=name, workload=workload, cluster=cluster,
                     candidates=[evaluate(model, layout, workload, cluster)])
     else:
@@ -143,7 +242,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       micro_batch=args.micro_batch)
     if not plan.candidates:
         raise PlanInputError("no layout can run this workload on this cluster (check that --global-batch is a "
-                             "multiple of the data-parallel degrees and the model's heads divide the GPUs per node)")
+                             "multiple of the data-parallel degrees, that --micro-batch divides the per-rank batch "
+                             "and that the model's heads divide the GPUs per node)")
     chosen = plan.candidates[0]
     if args.out:
         write_plan(args.out, plan, chosen)
@@ -177,11 +277,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from meshfit.planner.verify import verify_layout
 
     name, model = resolve_model(args.model, args.dims)
-    layout = parse_layout(args.layout or "")
+    layout = _parse_layout(args.layout or "")
     cluster = resolve_cluster(args) if args.nodes * args.gpus_per_node == layout.world_size else None
     workload = resolve_workload(args, layout.world_size)
     if args.micro_batch:
         layout = dataclasses.replace(layout, micro_batch=args.micro_batch)
+    check_layout(model, layout, workload)
     predicted = estimate_memory(model, layout, workload).as_dict()
     console = Console(stderr=True)
     progress = None if args.json else (lambda msg: console.print(f"[dim]{msg}[/dim]"))

@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from meshfit.data.errors import DataError
-from meshfit.data.files import load_token_file, tokenize_text, write_token_file
+from meshfit.data.files import check_files, load_token_file, tokenize_text, write_token_file
 from meshfit.data.loader import TokenBatches
 from meshfit.data.synthetic import MarkovSource
 
@@ -22,6 +22,7 @@ __all__ = [
     "DataError",
     "MarkovSource",
     "TokenBatches",
+    "check_files",
     "load_token_file",
     "make_source",
     "tokenize_text",

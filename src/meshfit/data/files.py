@@ -37,19 +37,46 @@ def load_token_file(path: str | os.PathLike, vocab_size: int, dtype: str | None 
     ``np.memmap`` keeps the file name in ``.filename``.
     """
     path = Path(path)
+    tokens = _open_token_file(path, dtype)
+    _check_range(path, tokens, vocab_size)
+    return tokens
+
+
+def check_files(source: str, path: str | os.PathLike, seq_len: int, tokenizer: str = "byte",
+                token_dtype: str | None = None) -> None:
+    """What can be known of data files before training, cheaply: they exist and have the right form, and
+    hold at least one sequence (``seq_len + 1`` tokens; not known for BPE before it is trained). DataError
+    naming the file otherwise. Token ids are range-checked when the ranks load the file."""
+    path = Path(path)
+    need = f"one sequence needs train.seq_len + 1 = {seq_len + 1}"
+    if source == "tokens":
+        count = len(_open_token_file(path, token_dtype))
+        if count < seq_len + 1:
+            raise DataError(f"{path}: has {count} tokens; {need} (use more data or a shorter train.seq_len)")
+        return
+    files = _text_files(path)
+    for file in files:
+        if file.stat().st_size == 0:
+            raise DataError(f"{file}: text file is empty; it needs at least one character")
+    count = sum(file.stat().st_size for file in files)  # byte tokenizer: one token per byte
+    if tokenizer == "byte" and count < seq_len + 1:
+        held = f"its .txt files hold {count} bytes" if path.is_dir() else f"has {count} bytes"
+        raise DataError(f"{path}: {held}, i.e. {count} tokens with data.tokenizer=byte; {need} (use more "
+                        "text or a shorter train.seq_len)")
+
+
+def _open_token_file(path: Path, dtype: str | None) -> np.ndarray:
+    """The memory-mapped tokens of a file whose form is right (not yet range-checked)."""
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise DataError(f"{path}: {what}; expected a token file (.npy, or raw .bin)")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: file is empty; a token file needs at least one token")
     if path.suffix == ".npy":
-        tokens = _map_npy(path)
-    elif path.suffix == ".bin":
-        tokens = _map_bin(path, dtype)
-    else:
-        raise DataError(f"{path}: unsupported token file extension {path.suffix!r}; valid: .npy, .bin")
-    _check_range(path, tokens, vocab_size)
-    return tokens
+        return _map_npy(path)
+    if path.suffix == ".bin":
+        return _map_bin(path, dtype)
+    raise DataError(f"{path}: unsupported token file extension {path.suffix!r}; valid: .npy, .bin")
 
 
 def write_token_file(path: str | os.PathLike, tokens: object, dtype: str | None = None) -> Path:

@@ -137,15 +137,22 @@ def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
     return [out_dir / "model.safetensors", out_dir / "config.json"]
 
 
-def load_hf(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full fp32 meshfit weights from a folder of *.safetensors (or one file); checked against `cfg`."""
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The *.safetensors files of a folder (or the one file) that model.init_from names; ValueError if none."""
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
-        raise ValueError(f"model.init_from={path}: no .safetensors files there (give the folder "
-                         "`meshfit export` wrote, or one .safetensors file)")
+        where = "does not exist" if not path.exists() else "holds no .safetensors files"
+        raise ValueError(f"model.init_from={path}: {where} (give the folder `meshfit export` wrote, or one "
+                         ".safetensors file)")
+    return files
+
+
+def load_hf(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full fp32 meshfit weights from a folder of *.safetensors (or one file); checked against `cfg`."""
+    path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as handle:
                 tensors.update({k: handle.get_tensor(k).float() for k in handle.keys()})

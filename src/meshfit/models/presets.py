@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshfit.models.config import ModelConfig
+from meshfit.names import did_you_mean
 
 
 def _llama3(dim: int, n_layers: int, n_heads: int, ffn_hidden: int, tied: bool) -> ModelConfig:
@@ -80,4 +81,5 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown model preset {name!r}; {did_you_mean(name, PRESETS)}"
+                         f"valid presets: {', '.join(PRESETS)}") from None

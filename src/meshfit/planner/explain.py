@@ -7,7 +7,7 @@ from meshfit.planner.estimate import MemoryEstimate, estimate_memory, usable_byt
 from meshfit.planner.layout import Layout
 from meshfit.planner.precision import state_bytes
 from meshfit.planner.search import Candidate, Plan
-from meshfit.units import fmt_bytes
+from meshfit.units import fmt_bytes, fmt_count, fmt_duration
 
 
 
@@ -36,7 +36,7 @@ def _line(c: Candidate | None, usable: float) -> str:
         return "no layout of this kind can run here"
     t = c.time
     return (f"{c.layout.describe()}: {fmt_bytes(c.memory.total)} per rank ({_verdict(c.memory, usable)}), "
-            f"{t.total_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
+            f"{fmt_duration(t.total_s)}/step, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
 
 
 def _states_section(plan: Plan, usable: float) -> list[str]:
@@ -45,7 +45,7 @@ def _states_section(plan: Plan, usable: float) -> list[str]:
     world = plan.cluster.world_size
     ddp = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1), wl)
     lines = [
-        f"Model: {plan.model_name}, {n / 1e9:.2f} B parameters. Precision {wl.precision} with {wl.optimizer}: "
+        f"Model: {plan.model_name}, {fmt_count(n)} parameters. Precision {wl.precision} with {wl.optimizer}: "
         f"{w} B weights + {g} B gradients + {k} B optimizer states = {w + g + k} B per parameter, i.e. "
         f"{fmt_bytes(n * (w + g + k))} of model states for one full replica. Each "
         f"{plan.cluster.gpu.name} has {fmt_bytes(plan.cluster.gpu.memory_bytes)}, of which the planner lets "
@@ -93,7 +93,7 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
         lines.append(
             f"- Tensor parallelism splits every matmul within a node (tp ≤ {plan.cluster.gpus_per_node}): weights, "
             f"gradients, states and (with sequence parallelism) activations shrink by t. It costs collectives "
-            f"in every layer's forward and backward ({tp.time.tp_comm_s:.2f} s/step for {tp.layout.describe()}), "
+            f"in every layer's forward and backward ({fmt_duration(tp.time.tp_comm_s)}/step for {tp.layout.describe()}), "
             "which only fast intra-node links make affordable.")
     lines += _megatron_lines(plan, usable)
     pp = _best(plan, lambda lay: lay.pp > 1) or _fastest_any(plan, lambda lay: lay.pp > 1)
@@ -101,7 +101,7 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
         lines.append(
             f"- Pipeline parallelism splits the layers into stages across ranks (and nodes): model states ÷ p "
             f"and only point-to-point traffic between stages, but the first stage holds up to p micro-batches "
-            f"of activations and the pipeline idles at its ends (bubble {pp.time.bubble_s:.2f} s/step for "
+            f"of activations and the pipeline idles at its ends (bubble {fmt_duration(pp.time.bubble_s)}/step for "
             f"{pp.layout.describe()}); more micro-batches, interleaving or zero-bubble schedules shrink it.")
     return lines
 
@@ -127,8 +127,8 @@ def _megatron_lines(plan: Plan, usable: float) -> list[str]:
             if (megatron.fits or fsdp.fits) else "neither fits"
     return [
         "- Megatron's layout, ZeRO-1 × TP × PP, against FSDP × TP: "
-        f"{_line(megatron, usable)} (pipeline bubble {megatron.time.bubble_s:.2f} s, DP {megatron.time.dp_comm_s:.2f} s) "
-        f"vs {_line(fsdp, usable)} (DP {fsdp.time.dp_comm_s:.2f} s): {verdict}. ZeRO-1 gathers the weights "
+        f"{_line(megatron, usable)} (pipeline bubble {fmt_duration(megatron.time.bubble_s)}, DP {fmt_duration(megatron.time.dp_comm_s)}) "
+        f"vs {_line(fsdp, usable)} (DP {fmt_duration(fsdp.time.dp_comm_s)}): {verdict}. ZeRO-1 gathers the weights "
         "once per step and the pipeline splits them further; FSDP gathers every block in each forward and "
         "backward but needs no pipeline bubble."]
 
@@ -146,9 +146,10 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
     lines.append(f"Recommended: {best.layout.describe()}")
     lines.append(f"  memory per rank {fmt_bytes(best.memory.total)} of {fmt_bytes(usable)} usable "
                  f"({_parts(best.memory)})")
-    lines.append(f"  step {t.total_s:.2f} s = compute {t.compute_s:.2f} (recompute {t.recompute_s:.2f}) + TP "
-                 f"{t.tp_comm_s:.2f} + DP {t.dp_comm_s:.2f} + PP {t.pp_comm_s:.2f} + bubble {t.bubble_s:.2f} + "
-                 f"offload {t.offload_s:.2f} + optimizer {t.optimizer_s:.2f}; {t.tokens_per_s:,.0f} tokens/s, "
+    d = fmt_duration
+    lines.append(f"  step {d(t.total_s)} = compute {d(t.compute_s)} (recompute {d(t.recompute_s)}) + TP "
+                 f"{d(t.tp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble {d(t.bubble_s)} + "
+                 f"offload {d(t.offload_s)} + optimizer {d(t.optimizer_s)}; {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {t.mfu:.0%}")
     alternatives = [
         ("without CPU offload", _best(plan, lambda lay: not lay.offload)),

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshfit.names import did_you_mean
+
 _GiB = 2**30
 _T = 1e12  # TFLOP/s and TB/s
 _G = 1e9  # GB/s
@@ -96,7 +98,7 @@ def get_gpu(name: str) -> GPU:
     """The catalog entry for ``name`` (case-insensitive; spaces and underscores read as hyphens)."""
     gpu = _BY_KEY.get(_key(name))
     if gpu is None:
-        raise ValueError(f"unknown GPU {name!r}; valid GPUs: {', '.join(GPUS)}")
+        raise ValueError(f"unknown GPU {name!r}; {did_you_mean(name, GPUS)}valid GPUs: {', '.join(GPUS)}")
     return gpu
 
 
@@ -129,7 +131,7 @@ class Cluster:
         for field in ("nodes", "gpus_per_node"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Cluster.{field}={value!r} must be a positive integer")
+                raise ValueError(f"{field}={value!r} must be a positive integer")
 
     @property
     def world_size(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from meshfit.models.config import ATTENTIONS
+from meshfit.names import did_you_mean
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.rules import default_zero_stage, layout_error
 from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages
@@ -132,13 +133,17 @@ def parse_assignments(text: str, cls: type, flag: str) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         key, raw = key.strip().replace("-", "_"), raw.strip()
         if not sep or not raw or key not in types:
-            raise ValueError(f"{flag} item {item!r}: write KEY=VALUE with KEY one of {', '.join(types)}")
+            unknown = f"unknown key {key!r}; {did_you_mean(key, types)}" if sep and key not in types else ""
+            raise ValueError(f"{flag} item {item!r}: {unknown}write KEY=VALUE with KEY one of {', '.join(types)}")
         kind = types[key]
         try:
             values[key] = _convert(kind, raw)
         except ValueError:
-            raise ValueError(f"{flag} {key}={raw!r}: expected {'true/false' if kind == 'bool' else kind}") from None
+            raise ValueError(f"{flag} {key}={raw!r}: expected {_KINDS.get(kind, kind)}") from None
     return values
+
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a name"}
 
 
 def parse_layout(text: str, base: Layout | None = None) -> Layout:

@@ -31,24 +31,38 @@ def write_plan(path: Path, plan: Plan, chosen: Candidate) -> None:
     path.write_text(json.dumps(plan_document(plan, chosen), indent=2) + "\n")
 
 
+def _section(path: Path, doc: dict[str, Any], name: str, cls: type) -> dict[str, Any]:
+    """The fields of `cls` in the plan's object `name`; ValueError naming the file and a missing field."""
+    section = doc.get(name)
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: \"{name}\" must be a JSON object (write plans with `meshfit plan … --out`)")
+    fields = dataclasses.fields(cls)
+    missing = [f.name for f in fields if f.name not in section
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {', '.join(f'{name}.{k}' for k in missing)}")
+    return {f.name: section[f.name] for f in fields if f.name in section}
+
+
 def read_plan(path: str | Path) -> tuple[ModelConfig, str, Workload, Layout]:
     """(model, model name, workload, layout) of a plan file; ValueError naming the file and the field."""
     path = Path(path)
     doc = read_json_object(path, "plan file", f"write one with `meshfit plan … --out {path}`")
     if doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a meshfit plan (expected \"format\": \"{FORMAT}\")")
+    model_fields = _section(path, doc, "model", ModelConfig)
+    workload_fields = _section(path, doc, "workload", Workload)
+    if not isinstance(doc.get("layout"), dict):
+        raise ValueError(f"{path}: \"layout\" must be a JSON object (write plans with `meshfit plan … --out`)")
     try:
-        model = ModelConfig(**{k: doc["model"][k] for k in _MODEL_FIELDS if k in doc["model"]})
+        model = ModelConfig(**model_fields)
         model.validate()
-        wl = doc["workload"]
-        workload = Workload(**{f.name: wl[f.name] for f in dataclasses.fields(Workload)})
+        workload = Workload(**workload_fields)
         workload.check()
         layout = Layout.from_dict(doc["layout"])
-    except KeyError as exc:
-        raise ValueError(f"{path}: missing field {exc}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from None
-    return model, doc["model"].get("name", "custom"), workload, layout
+    return model, str(doc["model"].get("name", "custom")), workload, layout
 
 
 def check_trainable(workload: Workload) -> None:

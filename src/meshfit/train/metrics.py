@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from meshfit.units import fmt_bytes
+from meshfit.units import fmt_bytes, fmt_seconds
 
 
 def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
@@ -114,11 +114,16 @@ class MetricsLog:
             _keep_records_through(path, start_step)
         self.file = path.open("a") if (enabled and path) else None
         self.progress = None
+        self.total_steps = total_steps
+        self.step_times: list[float] = []  # this launch's steps, for the ETA
         if enabled and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
-            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            # Elapsed time ticks during a long step too, so a slow step is visibly still running.
+            self.progress = Progress(TextColumn("train"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"),
+                                     TimeRemainingColumn())
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
             self.progress.start()
 
@@ -134,10 +139,17 @@ class MetricsLog:
             self.writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged
         info = (f"loss {rec['loss']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
                 f"{rec['tokens_per_s']:.0f} tok/s | peak {fmt_bytes(rec['peak_mem_bytes'])}")
+        self.step_times.append(rec["step_time_s"])
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
-        elif rec["step"] % self.log_every == 0:
-            print(f"step {rec['step']:>5} | {info}", flush=True)
+        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps:
+            print(f"step {rec['step']:>5}/{self.total_steps} | {info} | eta {self.eta(rec['step'])}", flush=True)
+
+    def eta(self, step: int) -> str:
+        """Time left at this launch's mean step time (the first step, which warms up, left out when there
+        are others)."""
+        times = self.step_times[1:] or self.step_times
+        return fmt_seconds(max(0, self.total_steps - step) * sum(times) / len(times))
 
     def close(self) -> None:
         if self.progress is not None:

@@ -116,6 +116,20 @@ def model_differences(marker: dict[str, Any], model: Any) -> list[str]:
     return [f"model.{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
 
 
+def _check_pinned(folder: Path) -> None:
+    """--resume-from takes one step-N folder: say so, with the right folder, when given another path."""
+    example = "a step-N checkpoint folder such as RUN_DIR/checkpoints/step-00000010"
+    if not folder.exists():
+        raise ConfigError(f"--resume-from {folder} does not exist; give {example}")
+    if not folder.is_dir():
+        raise ConfigError(f"--resume-from {folder} is a file; give {example}")
+    for root, run in ((folder / "checkpoints", folder), (folder, folder.parent)):
+        complete = store.complete_checkpoints(root)
+        if complete and not (folder / store.MARKER).exists():
+            raise ConfigError(f"--resume-from {folder} is not one checkpoint but a folder of them: give one, e.g. "
+                              f"{complete[0]} (the latest), or continue the run with --resume --run-dir {run}")
+
+
 def check_resume(cfg: Config, run_dir: Path, model: Any) -> tuple[list[str], int | None]:
     """Lines to print about what a resume will do, and the step it continues from (None: unknown until
     the ranks check the files; 0: no checkpoint, a fresh start); raises ConfigError when the checkpoint it would load
@@ -123,8 +137,10 @@ def check_resume(cfg: Config, run_dir: Path, model: Any) -> tuple[list[str], int
     checked (and a damaged one skipped) by the ranks."""
     pinned = cfg.checkpoint.resume_from
     if pinned:
+        folder = Path(pinned)
+        _check_pinned(folder)
         try:
-            marker, folder = store.read_marker(Path(pinned)), Path(pinned)
+            marker = store.read_marker(folder)
         except store.CheckpointError as exc:
             raise ConfigError(f"--resume-from: {exc}") from None
     else:

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from meshfit.config import Config, ConfigError
+from meshfit.data import DataError, check_files
 from meshfit.models import ModelConfig
+from meshfit.models.hf_weights import safetensors_files
 from meshfit.models.config import pad_vocab_for_tp
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline import StagePlan, plan_stages
@@ -52,12 +54,19 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
         raise ConfigError(f"pipeline.layers_per_stage={counts}: give {n_stages} positive counts "
                           f"(one per stage) that add up to {model.n_layers} layers")
     micro = pipe.microbatches or local_batch
-    if local_batch % micro:
-        raise ConfigError(f"pipeline.microbatches={micro} does not divide the per-pipeline batch {local_batch}; "
-                          f"valid values: {', '.join(map(str, divisors(local_batch)))}")
-    if micro < dims.pp and pipe.schedule != "gpipe":
-        raise ConfigError(f"pipeline.microbatches={micro}: schedule {pipe.schedule} needs at least pp={dims.pp} "
-                          "micro-batches to fill the pipeline")
+    # The values offered must pass every check below: divisors of the batch, and ≥ pp unless GPipe.
+    least = 1 if pipe.schedule == "gpipe" else dims.pp
+    valid = [d for d in divisors(local_batch) if d >= least]
+    if local_batch % micro or micro < least:
+        why = (f"does not divide the per-pipeline batch {local_batch} (train.global_batch / data-parallel degree)"
+               if local_batch % micro else
+               f"is fewer than pp={dims.pp}: schedule {pipe.schedule} needs at least pp micro-batches to fill "
+               "the pipeline")
+        fix = (f"valid values: {', '.join(map(str, valid))}" if valid else
+               f"no value works with a per-pipeline batch of {local_batch}: raise train.global_batch to a "
+               f"multiple of {dims.pp * dims.dp} (pp × data-parallel degree) or use pipeline.schedule=gpipe")
+        given = f"={micro}" if pipe.microbatches else f" (unset: the per-pipeline batch, {micro})"
+        raise ConfigError(f"pipeline.microbatches{given} {why}; {fix}")
     plan = plan_stages(model, cfg.train.seq_len, dims.pp, virtual, pipe.schedule, counts)
     return plan, micro
 
@@ -96,19 +105,37 @@ def _batch_shape(cfg: Config, dims: ParallelDims, micro_batch: int | None) -> tu
 def _check_data(cfg: Config, vocab_size: int) -> None:
     data = cfg.data
     if data.source in ("text", "tokens"):
+        what = "a UTF-8 .txt file or a folder of them" if data.source == "text" else "a .npy or .bin token file"
         if not data.path:
-            raise ConfigError(f"data.path is required when data.source={data.source!r}")
+            raise ConfigError(f"data.path is required when data.source={data.source!r}: give {what}")
         if not Path(data.path).exists():
-            raise ConfigError(f"data.path={data.path!r} does not exist")
+            raise ConfigError(f"data.path={data.path!r} does not exist; give {what}")
     if data.source == "text" and data.tokenizer == "byte" and vocab_size < 256:
         raise ConfigError(
             f"data.tokenizer=byte needs model.vocab_size ≥ 256 (got {vocab_size}); raise model.vocab_size "
             "or use data.tokenizer=bpe"
         )
+    if data.source != "synthetic":
+        # The files' shape (dtype, size, length) is checked here, once, rather than on every rank.
+        try:
+            check_files(data.source, data.path, cfg.train.seq_len, data.tokenizer, data.token_dtype)
+        except DataError as exc:
+            raise ConfigError(f"data.path: {exc}") from None
+
+
+def _check_init_from(cfg: Config) -> None:
+    if cfg.model.init_from:
+        try:
+            safetensors_files(cfg.model.init_from)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _check_memory(cfg: Config) -> None:
     train = cfg.train
+    if train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda, but no CUDA device is visible to torch on this machine; use "
+                          "train.device=cpu or auto")
     on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
     if train.memory_tracking == "off" and train.memory_budget is not None and on_cpu:
         raise ConfigError("train.memory_tracking=off cannot enforce train.memory_budget on CPU (the memory tracker "
@@ -142,6 +169,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
             f"use train.seq_len ≤ {model.max_seq_len} or raise model.max_seq_len"
         )
     _check_data(cfg, model.vocab_size)
+    _check_init_from(cfg)
     _check_memory(cfg)
     stage = _layout(cfg, dims)
     if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len, p.sp)):

@@ -89,8 +89,10 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
                          seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
                          cache_dir=str(run_dir) if run_dir else None)
+    # Named by data.path: tokenized text is an in-memory array, which would otherwise be "token array".
     batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
-                           dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp)
+                           dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp,
+                           name=cfg.data.path if cfg.data.source != "synthetic" else None)
     tracker = make_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_budget, cfg.parallel.offload,
                            pipeline=pipe is not None)
     meter = _meter(cfg, env, tracker)
