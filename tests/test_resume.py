@@ -102,3 +102,25 @@ def test_resume_with_no_checkpoint_says_it_starts_at_step_0(tmp_path: Path, capf
     lines = [line for line in said.out.splitlines() if line.startswith("step ")]
     assert [line.split("|")[0].split()[1] for line in lines] == ["1/2", "2/2"]
     assert lines[0].rsplit("| eta ", 1)[1].endswith(("µs", "ms", " s")) and lines[1].endswith("| eta 0 s")
+
+
+def test_a_failed_start_changes_nothing_and_a_failure_after_it_says_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every checkpoint damaged: the resume fails on the rank before training begins, and config.yaml,
+    metrics.jsonl, result.json and the checkpoints are as they were (only the failure report is new).
+    A run that fails after its first step records `"status": "failed"` in result.json."""
+    base = [*PARITY_BASE, "train.steps=4", "checkpoint.interval=2"]
+    assert launch(load_config(None, base), tmp_path).ok
+    for shard in (tmp_path / "checkpoints").glob("step-*/__0_0.distcp"):
+        shard.write_bytes(b"damaged")
+    before = snapshot(tmp_path)
+    outcome = launch(load_config(None, [*base, "train.steps=6", "checkpoint.resume=true"]), tmp_path)
+    assert not outcome.ok and "no intact checkpoint to resume from" in outcome.message
+    after = snapshot(tmp_path)
+    assert {k for k in after if not k.startswith("failures/")} == set(before)
+    assert all(after[k] == before[k] for k in before)
+    monkeypatch.setenv("MESHFIT_FAULT", "inf-loss:rank=0:step=2")
+    outcome = launch(load_config(None, [*base, "train.steps=3"]), tmp_path / "failing")
+    assert not outcome.ok and "rank 0" in outcome.message
+    result = json.loads((tmp_path / "failing" / "result.json").read_text())
+    assert result["status"] == "failed" and result["end_step"] == 1 and "non-finite" in result["error"].lower()
