@@ -66,7 +66,7 @@ def test_training_starts_from_exported_weights_under_any_layout(tmp_path: Path) 
 
 def test_bad_export_and_init_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf")]) == 2
-    assert "no complete checkpoint there" in capsys.readouterr().err
+    assert "nothing does not exist: give a step-N checkpoint folder" in capsys.readouterr().err
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     outcome = launch(load_config(None, [*PARITY_BASE, f"model.init_from={tmp_path / 'bad.safetensors'}"]),
                      tmp_path / "run")

@@ -222,7 +222,6 @@ class TrainSection(_Section):
         return value
 
 
-
 class DataSection(_Section):
     source: Literal["synthetic", "text", "tokens"] = "synthetic"
     path: str | None = None
@@ -349,7 +348,9 @@ def _read_file(path: Path) -> dict[str, Any]:
             data = yaml.safe_load(text) or {}
         else:
             data = json.loads(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}); {valid}") from None
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"config file {path} cannot be parsed as {_FORMATS[path.suffix]}: "
                           f"{_parse_problem(exc)}") from None
     except OSError as exc:

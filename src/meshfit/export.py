@@ -61,7 +61,7 @@ def check_out(out_dir: Path, overwrite: bool = False) -> None:
     existing = [name for name in OUT_FILES if (Path(out_dir) / name).exists()]
     if existing and not overwrite:
         raise ConfigError(f"--out {out_dir} already holds {' and '.join(existing)} (an earlier export?): replace "
-                          "them with --overwrite, or choose another --out")
+                          f"{'it' if len(existing) == 1 else 'them'} with --overwrite, or choose another --out")
 
 
 def read_model(folder: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:

@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -25,34 +27,22 @@ class PlanInputError(ValueError):
 
 
 # Flag types: argparse then refuses a bad value naming the flag (exit 2), before anything is computed.
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` that passes `ok`, else an error saying `expected {what}`."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text}")
-    return value
+positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+positive_float = _number(float, "a positive number", lambda v: v > 0)
+probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
 
 
 def memory_size(text: str) -> int:
@@ -77,15 +67,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
     g.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
     g.add_argument("--gpu-memory", type=memory_size, metavar="SIZE", help="override the GPU's memory, e.g. 64GiB")
     g.add_argument("--gpu-tflops", type=positive_float, metavar="T", help="override the dense bf16 peak, TFLOP/s")
-    g.add_argument("--intra-node-gbps", type=positive_float, metavar="GB/s", help="override the per-GPU intra-node bandwidth")
-    g.add_argument("--inter-node-gbps", type=positive_float, metavar="GB/s", help="override the per-GPU inter-node bandwidth")
+    g.add_argument("--intra-node-gbps", type=positive_float, metavar="GB/s",
+                   help="override the per-GPU intra-node bandwidth")
+    g.add_argument("--inter-node-gbps", type=positive_float, metavar="GB/s",
+                   help="override the per-GPU inter-node bandwidth")
     g = parser.add_argument_group("workload")
     g.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length in tokens (default 4096)")
     g.add_argument("--global-batch", type=positive_int, default=None, metavar="SEQUENCES",
                    help="sequences per optimizer step (default: 4 per GPU)")
     g.add_argument("--global-batch-tokens", type=positive_int, default=None, metavar="TOKENS",
                    help="global batch in tokens instead (a multiple of --seq-len)")
-    g.add_argument("--micro-batch", type=positive_int, default=None, help="sequences per forward pass (default: all choices)")
+    g.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="sequences per forward pass (default: all choices)")
     g.add_argument("--precision", choices=PRECISIONS, default="mixed",
                    help="fp32 | mixed (bf16 compute, fp32 master weights and states) | bf16 (pure)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
@@ -167,7 +160,7 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
     from meshfit.parallel.tensor_parallel import tp_degree_error
 
     if cluster is not None and layout.world_size != cluster.world_size:
-        raise PlanInputError(f"--layout {layout.describe()} spans {layout.world_size} GPUs (pp × dp_replicate × "
+        raise PlanInputError(f"--layout spans {layout.world_size} GPUs ({layout.describe()}: pp × dp_replicate × "
                              f"dp_shard × tp), the cluster {cluster.world_size} (--nodes {cluster.nodes} × "
                              f"--gpus-per-node {cluster.gpus_per_node}): make the two equal")
     if workload.seq_len > model.max_seq_len:

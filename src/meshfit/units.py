@@ -51,28 +51,15 @@ def fmt_count(n: int | float) -> str:
     return f"{n:.0f}"
 
 
-def fmt_seconds(seconds: float) -> str:
-    """A duration as people read it: 850 µs, 42 ms, 3.2 s, 4m05s, 2h13m."""
+def fmt_duration(seconds: float) -> str:
+    """A time as people read it, three significant figures below a minute: 789 µs, 45.6 ms, 1.23 s (plan
+    tables, where a tiny model's step would otherwise read 0.00 s); then 4m05s, 2h13m (ETAs)."""
     if seconds <= 0:
         return "0 s"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
-
-def fmt_duration(seconds: float) -> str:
-    """A predicted time with three significant figures at any scale: 1.23 s, 45.6 ms, 789 µs (plan tables,
-    where a tiny model's step would otherwise read 0.00 s)."""
-    if seconds == 0:
-        return "0 s"
+    if seconds >= 59.5:
+        minutes, secs = divmod(int(round(seconds)), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
         value = seconds / scale
         if abs(value) >= 1 or unit == "ns":

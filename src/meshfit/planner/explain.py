@@ -93,7 +93,8 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
         lines.append(
             f"- Tensor parallelism splits every matmul within a node (tp ≤ {plan.cluster.gpus_per_node}): weights, "
             f"gradients, states and (with sequence parallelism) activations shrink by t. It costs collectives "
-            f"in every layer's forward and backward ({fmt_duration(tp.time.tp_comm_s)}/step for {tp.layout.describe()}), "
+            f"in every layer's forward and backward ({fmt_duration(tp.time.tp_comm_s)}/step for "
+            f"{tp.layout.describe()}), "
             "which only fast intra-node links make affordable.")
     lines += _megatron_lines(plan, usable)
     pp = _best(plan, lambda lay: lay.pp > 1) or _fastest_any(plan, lambda lay: lay.pp > 1)
@@ -127,7 +128,8 @@ def _megatron_lines(plan: Plan, usable: float) -> list[str]:
             if (megatron.fits or fsdp.fits) else "neither fits"
     return [
         "- Megatron's layout, ZeRO-1 × TP × PP, against FSDP × TP: "
-        f"{_line(megatron, usable)} (pipeline bubble {fmt_duration(megatron.time.bubble_s)}, DP {fmt_duration(megatron.time.dp_comm_s)}) "
+        f"{_line(megatron, usable)} (pipeline bubble {fmt_duration(megatron.time.bubble_s)}, "
+        f"DP {fmt_duration(megatron.time.dp_comm_s)}) "
         f"vs {_line(fsdp, usable)} (DP {fmt_duration(fsdp.time.dp_comm_s)}): {verdict}. ZeRO-1 gathers the weights "
         "once per step and the pipeline splits them further; FSDP gathers every block in each forward and "
         "backward but needs no pipeline bubble."]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from meshfit.units import fmt_bytes, fmt_seconds
+from meshfit.units import fmt_bytes, fmt_duration
 
 
 def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
@@ -149,7 +149,7 @@ class MetricsLog:
         """Time left at this launch's mean step time (the first step, which warms up, left out when there
         are others)."""
         times = self.step_times[1:] or self.step_times
-        return fmt_seconds(max(0, self.total_steps - step) * sum(times) / len(times))
+        return fmt_duration(max(0, self.total_steps - step) * sum(times) / len(times))
 
     def close(self) -> None:
         if self.progress is not None:

@@ -60,8 +60,8 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
     if local_batch % micro or micro < least:
         why = (f"does not divide the per-pipeline batch {local_batch} (train.global_batch / data-parallel degree)"
                if local_batch % micro else
-               f"is fewer than pp={dims.pp}: schedule {pipe.schedule} needs at least pp micro-batches to fill "
-               "the pipeline")
+               f"is fewer than pp={dims.pp}: schedule {pipe.schedule} needs at least pp={dims.pp} micro-batches "
+               "to fill the pipeline")
         fix = (f"valid values: {', '.join(map(str, valid))}" if valid else
                f"no value works with a per-pipeline batch of {local_batch}: raise train.global_batch to a "
                f"multiple of {dims.pp * dims.dp} (pp × data-parallel degree) or use pipeline.schedule=gpipe")
