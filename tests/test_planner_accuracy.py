@@ -18,23 +18,26 @@ MODEL = dataclasses.replace(get_preset("small"), vocab_size=8192, max_seq_len=25
 FP32 = Workload(seq_len=128, global_batch=8, precision="fp32")
 MIXED = Workload(seq_len=128, global_batch=8, precision="mixed")
 GPT = dataclasses.replace(get_preset("small-gpt"), vocab_size=8192, max_seq_len=256)
-EAGER = Workload(seq_len=128, global_batch=8, precision="mixed", attention="eager", dropout=0.1)
+# Half the batch where a layout's micro-batches add nothing new past the second (fewer steps to dry-run).
+FP32_4 = dataclasses.replace(FP32, global_batch=4)
+MIXED_4 = dataclasses.replace(MIXED, global_batch=4)
+EAGER = Workload(seq_len=128, global_batch=4, precision="mixed", attention="eager", dropout=0.1)
 
 KINDS = {
     "ddp": (Layout(dp_replicate=4), FP32),
     "zero1": (Layout(dp_shard=4, zero_stage=1), MIXED),
-    "zero1-tp": (Layout(dp_shard=2, tp=2, zero_stage=1, sp=True), MIXED),
+    "zero1-tp": (Layout(dp_shard=2, tp=2, zero_stage=1, sp=True), MIXED_4),
     "zero2": (Layout(dp_shard=4, zero_stage=2), MIXED),
     "zero3": (Layout(dp_shard=8, zero_stage=3), MIXED),
     "zero3-ac": (Layout(dp_shard=8, zero_stage=3, activation_checkpointing="full"), FP32),
     "hsdp": (Layout(dp_replicate=2, dp_shard=4, zero_stage=3), FP32),
-    "tp-sp": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), FP32),
+    "tp-sp": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), FP32_4),
     "fsdp-tp": (Layout(dp_shard=4, tp=2, zero_stage=3, sp=True, loss_parallel=True), MIXED),
-    "pp-1f1b": (Layout(pp=2, schedule="1f1b"), FP32),
-    "pp-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="1f1b"), MIXED),
+    "pp-1f1b": (Layout(pp=2, schedule="1f1b"), FP32_4),
+    "pp-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="1f1b"), MIXED_4),
     # Mixed precision without sharding (one rank: tests/test_verify.py): 16-bit activations too.
     "ddp-mixed": (Layout(dp_replicate=4), MIXED),
-    "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED),
+    "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED_4),
     "zero2-op": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op"), MIXED),
     "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True), EAGER, GPT),
     "gpt-eager-attention": (Layout(tp=2, sp=True, loss_parallel=True, activation_checkpointing="attention"), EAGER,
