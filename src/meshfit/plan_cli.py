@@ -279,6 +279,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     predicted = estimate_memory(model, layout, workload).as_dict()
     console = Console(stderr=True)
     progress = None if args.json else (lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    if progress is not None:
+        from meshfit.models.config import num_params
+
+        console.print(f"meshfit verify: {name} ({fmt_count(num_params(model))} params), layout {layout.describe()}, "
+                      f"world size {layout.world_size}, seq {workload.seq_len}, global batch "
+                      f"{workload.global_batch}, {workload.precision}: a dry run of the real code on fake tensors",
+                      highlight=False, soft_wrap=True)
     result = verify_layout(model, layout, workload, progress=progress)
     if args.json:
         print(json.dumps({"model": name, "layout": layout.to_dict(), "world_size": layout.world_size,
