@@ -97,7 +97,7 @@ def test_resume_with_no_checkpoint_says_it_starts_at_step_0(tmp_path: Path, capf
     said = capfd.readouterr()
     assert f"--resume: {tmp_path / 'new' / 'checkpoints'} does not exist; starting at step 0" in said.err
     # The start banner, then (not a terminal) one plain progress line per step with the ETA.
-    assert (f"meshfit train: model tiny (107K params, 2 layers, dim 64), layout single rank, 1 rank, fp32; steps "
+    assert (f"meshfit train: model tiny, 107K params (2 layers, dim 64), layout single rank, 1 rank, fp32; steps "
             f"up to 2 from step 1 of 2, global batch 8 × 64 tokens; run directory {tmp_path / 'new'}") in said.err
     lines = [line for line in said.out.splitlines() if line.startswith("step ")]
     assert [line.split("|")[0].split()[1] for line in lines] == ["1/2", "2/2"]

@@ -77,7 +77,11 @@ def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: 
     steps = cfg.train.steps if cfg.train.stop_after is None else min(cfg.train.steps, cfg.train.stop_after)
     first = "" if start_step is None else f" from step {start_step + 1}"
     precision = "bf16 mixed" if shape.mixed_precision else "fp32"
-    return (f"meshfit train: model {cfg.model.preset} ({fmt_count(num_params(model))} params, {model.n_layers} "
+    # A preset whose dimensions were overridden is another model: name its family instead.
+    shaped = {k for k, v in cfg.model.model_dump().items() if v is not None} - {"preset", "init_from", "attention",
+                                                                                "pad_vocab_to", "dropout"}
+    name = f"{cfg.model.preset}" if not shaped else f"{model.family} from preset {cfg.model.preset}"
+    return (f"meshfit train: model {name}, {fmt_count(num_params(model))} params ({model.n_layers} "
             f"layers, dim {model.dim}), layout {shape.dims.describe()}{stage}, {world} rank"
             f"{'s' if world > 1 else ''}, {precision}; steps up to {steps}{first} of {cfg.train.steps}, "
             f"global batch {cfg.train.global_batch} × {cfg.train.seq_len} tokens; run directory {run_dir}")
