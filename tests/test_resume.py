@@ -124,3 +124,29 @@ def test_a_failed_start_changes_nothing_and_a_failure_after_it_says_failed(
     assert not outcome.ok and "rank 0" in outcome.message
     result = json.loads((tmp_path / "failing" / "result.json").read_text())
     assert result["status"] == "failed" and result["end_step"] == 1 and "non-finite" in result["error"].lower()
+
+
+def test_runs_are_never_mixed_or_wiped_by_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another run's checkpoint, or nothing to continue from, is refused where a run already has steps;
+    a rewind keeps the records it re-runs; a restart by torchrun continues the run without --resume."""
+    base = [*PARITY_BASE, "train.steps=4", "checkpoint.interval=2"]
+    for name in ("a", "b"):
+        assert launch(load_config(None, base), tmp_path / name).ok
+    before = snapshot(tmp_path)
+    other = tmp_path / "a" / "checkpoints" / "step-00000004"
+    with pytest.raises(ConfigError, match="is not a checkpoint of the run in --run-dir"):
+        launch(load_config(None, [*base, "checkpoint.resume=true", f"checkpoint.resume_from={other}"]), tmp_path / "b")
+    no_checkpoints = [*base, "checkpoint.resume=true", f"checkpoint.dir={tmp_path / 'empty'}"]
+    with pytest.raises(ConfigError, match="holds a finished run .* there is nothing to continue from"):
+        launch(load_config(None, no_checkpoints), tmp_path / "b")
+    assert snapshot(tmp_path) == before
+    # Rewind run b to step 2: steps 3-4 run again; their first records move aside, not away.
+    rewind = [*base, "checkpoint.resume=true", f"checkpoint.resume_from={tmp_path / 'b/checkpoints/step-00000002'}"]
+    assert launch(load_config(None, rewind), tmp_path / "b").ok
+    shelved = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics-superseded-2.jsonl").read_text().splitlines()]
+    assert shelved == [3, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    # torchrun restarted the ranks (restart count 1): the same command, without --resume, continues run a.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    outcome = launch(load_config(None, [*base, "train.steps=6"]), tmp_path / "a")
+    assert outcome.ok and outcome.result["start_step"] == 4 and outcome.result["end_step"] == 6

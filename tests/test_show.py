@@ -172,7 +172,11 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     truncated = tmp_path / "truncated"
     _make_run(truncated)
     text = (truncated / "metrics.jsonl").read_text()
-    (truncated / "metrics.jsonl").write_text(text[: len(text) - 40])  # a rank killed mid-write
+    (truncated / "metrics.jsonl").write_text(text[: len(text) - 40])  # a rank killed mid-write: left out
+    assert main(["show", str(truncated), "--out", str(tmp_path / "plots-truncated")]) == 0
+    said = capsys.readouterr()
+    assert f"{truncated / 'metrics.jsonl'} line 4 is cut short" in said.err and "Traceback" not in said.err
+    (truncated / "metrics.jsonl").write_text(text[: len(text) - 40] + "\n")  # a whole line that is no record
     _assert_usage_error(capsys, [str(truncated)], f"{truncated / 'metrics.jsonl'} line 4 is not valid JSON")
     corrupt = tmp_path / "corrupt"
     _make_run(corrupt)

@@ -114,14 +114,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--plan {args.plan} lays the model out over {world} ranks: add --nproc {world} "
                               f"(local ranks) or launch under torchrun with {world} processes in all")
     if args.resume or args.resume_from:
-        if args.resume and not args.run_dir and not any(o.startswith("checkpoint.dir=") for o in overrides):
-            raise ConfigError("--resume needs the run to continue: give its --run-dir (or checkpoint.dir)")
         overrides = [*overrides, "checkpoint.resume=true"]
         if args.resume_from:
             overrides.append(f"checkpoint.resume_from={args.resume_from}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     cfg = load_config(args.config, overrides, sections)
+    if args.resume and not args.run_dir and not cfg.checkpoint.dir:
+        raise ConfigError("--resume needs the run to continue: give its --run-dir (or checkpoint.dir)")
     run_dir = args.run_dir or _default_run_dir("train")
     outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts, overwrite=args.overwrite)
     if under_torchrun():
@@ -134,7 +134,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _report(outcome: Any, cfg: Any, run_dir: Path) -> int:
     """Print how the run ended; the exit code: 0 finished or stopped by SIGTERM, 1 failed, 130 Ctrl-C."""
     if not outcome.ok:
-        if outcome.failure is None and (outcome.signal or _all_interrupted(outcome.exit_codes)):
+        if outcome.failure is None and not outcome.began and (outcome.signal or _all_interrupted(outcome.exit_codes)):
             print(f"interrupted ({outcome.signal or 'SIGINT'}) before the first step ended; nothing was saved",
                   file=sys.stderr)
             return 130 if (outcome.signal or "SIGINT") == "SIGINT" else 0

@@ -8,6 +8,7 @@ Every problem with the input is a ShowError whose message names the path and wha
 from __future__ import annotations
 
 import json
+import sys
 import statistics
 import time
 from dataclasses import dataclass
@@ -91,11 +92,14 @@ def _check_run_dir(path: Path) -> Path:
 
 def read_records(metrics: Path) -> list[dict[str, Any]]:
     """The step records of metrics.jsonl; a line that is not a whole record is an error, not skipped,
-    because the plots would silently miss that step."""
+    because the plots would silently miss that step. The one exception: a last line without its newline
+    is a record still being written (or cut short when a rank was killed), as the trainer sees it too;
+    it is left out with a note."""
     try:
-        lines = metrics.read_text().splitlines()
+        text = metrics.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ShowError(f"{metrics} cannot be read: {exc}") from None
+    lines = text.splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -103,6 +107,10 @@ def read_records(metrics: Path) -> list[dict[str, Any]]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                print(f"note: {metrics} line {number} is cut short (a record being written, or a killed rank's); "
+                      "left out", file=sys.stderr)
+                break
             raise ShowError(f"{metrics} line {number} is not valid JSON (cut short or corrupted): expected one "
                             f"JSON step record per line") from None
         problem = _record_problem(rec)

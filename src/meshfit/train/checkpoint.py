@@ -182,7 +182,8 @@ class Checkpointer:
         if error:
             raise CheckpointError(error)
         if folder is None:
-            _say(self.rank, f"no complete checkpoint in {self.root} yet; starting at step 0")
+            if restarted:  # a plain --resume was told so by the launcher, before any rank started
+                _say(self.rank, f"no complete checkpoint in {self.root} yet; starting at step 0")
             return 0
         _check_compatible(folder, marker, run)
         same_world = marker["world_size"] == run.env.world_size

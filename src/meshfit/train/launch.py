@@ -34,12 +34,16 @@ class Outcome:
     exit_codes: dict[int, int] = field(default_factory=dict)  # local ranks that exited non-zero (--nproc)
     notes: list[str] = field(default_factory=list)  # e.g. failures a restart recovered from
     signal: str = ""  # the signal that reached the launcher (SIGINT, SIGTERM), if one did
+    began: bool = False  # training began in this launch (its config.yaml was written)
 
     @property
     def message(self) -> str:
         if self.ok or not self.failure:
             if self.ok:
                 return ""
+            if self.signal and self.began:
+                return (f"stopped by {self.signal} during training, but the ranks did not finish their step and "
+                        "save within train.timeout_s; --resume continues from the last complete checkpoint")
             codes = ", ".join(f"rank {r}: {_exit_text(c)}" for r, c in sorted(self.exit_codes.items()))
             return "training failed on a rank without an error report" + (f" ({codes})" if codes else " (killed?)")
         others = [r for r in self.failed_ranks if r != self.failure["rank"]]
@@ -100,6 +104,9 @@ def collect(run_dir: Path, exit_codes: dict[int, int] | None = None, since: floa
         result = None  # an earlier launch's result: this one ended before writing its own
     attempt = result.get("attempt", 0) if result else None
     current = [r for r in reports if result is None or r.get("attempt", 0) >= attempt]
+    if current:  # the failure that ended the run: the last attempt's (earlier ones were restarted from)
+        last = max(r.get("attempt", 0) for r in current)
+        current = [r for r in current if r.get("attempt", 0) == last]
     if current:
         return Outcome(ok=False, failure=current[0], failed_ranks=tuple(sorted(r["rank"] for r in current)),
                        exit_codes=exit_codes or {})
@@ -109,7 +116,8 @@ def collect(run_dir: Path, exit_codes: dict[int, int] | None = None, since: floa
         if attempt and not reports:
             notes.append(f"recovered: restart {attempt} resumed from the last complete checkpoint after a rank died")
         return Outcome(ok=True, result=result, notes=notes)
-    return Outcome(ok=False, exit_codes=exit_codes or {})
+    failure = {"rank": -1, "message": result["error"]} if result and result.get("error") else None
+    return Outcome(ok=False, failure=failure, exit_codes=exit_codes or {})
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -120,7 +128,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: int = 0) -> tuple[dict[int, int], str]:
+def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: int = 0,
+                  save_timeout_s: float = 600.0) -> tuple[dict[int, int], str]:
     """Run the ranks; returns the exit codes of those that failed (empty when all succeeded) and the name
     of the signal that reached this launcher ("" when none)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -138,18 +147,33 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8], rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts, monitor_interval=0.1,
         start_method="spawn",
+        # After a signal, torch waits this long for the ranks to finish their step and save before it
+        # kills them (its default, 30 s, is shorter than a large model's save).
+        shutdown_timeout=int(save_timeout_s),
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",  # SIGINT: ctrl_c below
     )
+    # The ranks run in their own sessions (torch starts them so): a signal reaches them through this
+    # launcher, which torch's agent passes on and then waits for them to save and stop. Ctrl-C is passed
+    # on as SIGTERM: a rank still starting its interpreter then ends silently (SIGINT would print
+    # Python's KeyboardInterrupt traceback), and a training rank stops and saves alike.
+    received: list[str] = []
+
+    def ctrl_c(signum: int, frame: Any) -> None:
+        received.append("SIGINT")
+        raise SignalException("Ctrl-C", sigval=signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGINT, ctrl_c)
     try:
         elastic_launch(config, sys.executable)("-m", "meshfit.train.worker", str(run_dir), str(config_file),
                                                "--launched")
     except ChildFailedError as exc:
         # The ranks' own reports in run_dir/failures say what happened; exit codes cover ranks that died.
-        return {failure.local_rank: failure.exitcode for failure in exc.failures.values()}, ""
+        return {failure.local_rank: failure.exitcode for failure in exc.failures.values()}, "".join(received)
     except SignalException as exc:
-        # SIGTERM/SIGINT reached this launcher: torch passed it on to the ranks and waited for them to
-        # save and stop.
-        return {}, signal.Signals(exc.sigval).name
-    return {}, ""
+        return {}, received[0] if received else signal.Signals(exc.sigval).name
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return {}, "".join(received)
 
 
 def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: int = 0,
@@ -166,23 +190,26 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (nproc or 1)
     shape = resolve_run(cfg, world)  # raises ConfigError before any rank starts
     resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from is not None
+    # Rank 0 alone judges the run directory under an outer torchrun (another rank could see it half
+    # cleared); a restart by torchrun (restart count > 0) continues the run it restarts, as a resume.
     leader = not under_torchrun() or int(os.environ.get("RANK", 0)) == 0
-    removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
-    lines, start_step = preflight.check_resume(cfg, run_dir, shape.model) if resuming else ([], None)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    removed, lines, start_step = [], [], None
+    if leader and not restarted:
+        removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
+        lines, start_step = preflight.check_resume(cfg, run_dir, shape.model) if resuming else ([], None)
     if leader:
         for line in [*lines, banner(cfg, shape, run_dir, world, start_step)]:
             print(line, file=sys.stderr, flush=True)
     since = time.time()
-    if under_torchrun():
-        # Every rank of an outer torchrun lands here with the same config and trains it; rank 0 writes.
-        if int(os.environ.get("RANK", 0)) == 0:
-            preflight.clear(removed)
-        run_worker(run_dir, cfg)
-        return collect(run_dir, since=since)
     if removed:
         preflight.clear(removed)
-        print(f"--overwrite: removed the earlier run's {', '.join(p.name for p in removed)} in {run_dir}",
+        print(f"--overwrite: removed the earlier run's {', '.join(str(p) for p in removed)}",
               file=sys.stderr, flush=True)
+    if under_torchrun():
+        # Every rank of an outer torchrun lands here with the same config and trains it; rank 0 writes.
+        run_worker(run_dir, cfg)
+        return collect(run_dir, since=since)
     if not nproc or nproc == 1:
         code = run_worker(run_dir, cfg, quiet=True)
         return _outcome(run_dir, collect(run_dir, since=since), "SIGINT" if code == INTERRUPTED else "", since)
@@ -191,16 +218,18 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
         # training begins (a failed start leaves the run's files as they were).
         config_file = Path(tmp) / "config.yaml"
         config_file.write_text(cfg.to_yaml())
-        codes, received = _launch_local(run_dir, config_file, nproc, max_restarts)
+        codes, received = _launch_local(run_dir, config_file, nproc, max_restarts, cfg.train.timeout_s)
     return _outcome(run_dir, collect(run_dir, codes, since), received, since)
 
 
+def _began(run_dir: Path, since: float) -> bool:
+    config = run_dir / "config.yaml"  # written by rank 0 once training begins (trainer.begin_run)
+    return config.is_file() and config.stat().st_mtime >= since
+
+
 def _record_failure(run_dir: Path, outcome: Outcome, since: float) -> None:
-    """result.json of a run that began training in this launch (its config.yaml is this launch's) and
-    then failed where rank 0 could not say so itself (killed, or stuck in a collective)."""
-    config = run_dir / "config.yaml"
-    if not config.is_file() or config.stat().st_mtime < since:
-        return  # a failed start: the run's files stay as they were
+    """result.json of a run that began training in this launch and then failed where rank 0 could not
+    say so itself (killed, stuck in a collective, or stopped by a signal before its save finished)."""
     result = _read_json(run_dir / "result.json")
     if result is not None and result.get("finished_at", 0) >= since:
         return  # rank 0 recorded it
@@ -212,6 +241,12 @@ def _record_failure(run_dir: Path, outcome: Outcome, since: float) -> None:
 def _outcome(run_dir: Path, outcome: Outcome, received: str, since: float) -> Outcome:
     """Say which signal reached the launcher, and record a run that failed after it began training."""
     outcome.signal = received
-    if not outcome.ok and (outcome.failure or not received):
+    outcome.began = _began(run_dir, since)
+    result = outcome.result
+    if received == "SIGINT" and result and result.get("status") == "interrupted" and result.get("signal") != received:
+        # The ranks saw the SIGTERM this launcher passed Ctrl-C on as; the run was stopped by Ctrl-C.
+        result.update(signal=received, stopped=f"{received} after step {result['end_step']}")
+        (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    if not outcome.ok and outcome.began:  # a failed start leaves the run's files as they were
         _record_failure(run_dir, outcome, since)
     return outcome

@@ -49,16 +49,23 @@ def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: floa
 
 
 def _keep_records_through(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step` (those a resumed run continues from); the later ones, which
+    run again, move to metrics-superseded-<step>.jsonl beside it (nothing logged is deleted)."""
     if not path.exists():
         return
-    kept = []
+    kept, dropped = [], []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
+            (kept if json.loads(line).get("step", 0) <= step else dropped).append(line)
         except json.JSONDecodeError:
-            continue  # a line cut short when a rank was killed mid-write
-    path.write_text("".join(line + "\n" for line in kept))
+            dropped.append(line)  # a line cut short when a rank was killed mid-write
+    if not dropped:
+        return
+    with open(path.parent / f"metrics-superseded-{step}.jsonl", "a") as shelf:
+        shelf.write("".join(line + "\n" for line in dropped))
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 TENSORBOARD_DIR = "tensorboard"  # under the run directory; `tensorboard --logdir RUN_DIR/tensorboard`

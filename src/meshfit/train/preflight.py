@@ -21,8 +21,9 @@ from meshfit.train import checkpoint_store as store
 
 # What makes a directory a run's: a new run would replace or mix with these.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "checkpoints")
-# Removed with them by --overwrite (reports and logs of the replaced run).
-RUN_EXTRAS = ("failures", "tensorboard", "warnings.log")
+# Removed with them by --overwrite (reports, logs and plots of the replaced run).
+RUN_EXTRAS = ("failures", "tensorboard", "warnings.log", "config-step-*.yaml", "metrics-superseded-*.jsonl",
+              "show-*.png", "launch.log", ".result.json.tmp")
 # Keys whose change at a resume reshapes the learning-rate schedule.
 SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
 # Keys whose change at a resume the saved data position cannot follow.
@@ -88,15 +89,31 @@ def guard_new_run(cfg: Config, run_dir: Path, resume: bool, overwrite: bool) -> 
     if cfg.checkpoint.dir:
         check_location(root, "checkpoint.dir")
     contents = run_contents(run_dir, root)
-    if not contents or resume:
+    if not contents:
+        return []
+    pinned = cfg.checkpoint.resume_from
+    if resume and pinned and not _inside(Path(pinned), root):
+        # Continuing another run's checkpoint here would trim this run's metrics and shelve its checkpoints.
+        raise ConfigError(f"--resume-from {pinned} is not a checkpoint of the run in --run-dir {run_dir} "
+                          f"({'; '.join(contents)}): continue it in a new --run-dir, or replace this run with "
+                          "--overwrite")
+    if resume:
         return []
     if not overwrite:
         raise ConfigError(f"--run-dir {run_dir} already holds a run ({'; '.join(contents)}). Continue it with "
                           "--resume, replace it with --overwrite, or choose another --run-dir")
-    targets = [Path(run_dir) / name for name in (*RUN_FILES, *RUN_EXTRAS)]
-    if cfg.checkpoint.dir:
-        targets.append(root)
-    return [path for path in targets if path.exists()]
+    targets = [path for pattern in (*RUN_FILES, *RUN_EXTRAS) for path in Path(run_dir).glob(pattern)]
+    if cfg.checkpoint.dir:  # only the checkpoints in a shared folder, never the folder itself
+        targets += [folder for _, folder in store.step_folders(root)] + [p for p in [root / "superseded"]
+                                                                          if p.exists()]
+    return sorted(set(targets))
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except OSError:
+        return False
 
 
 def clear(paths: list[Path]) -> None:
@@ -148,6 +165,13 @@ def check_resume(cfg: Config, run_dir: Path, model: Any) -> tuple[list[str], int
         complete = store.complete_checkpoints(root)
         if not complete:
             where = "does not exist" if not root.exists() else "holds no complete checkpoint"
+            result = Path(run_dir) / "result.json"
+            if result.is_file() and _result_status(result) == "finished":
+                # A finished run without checkpoints (checkpoint.at_end=false): starting over would replace it.
+                raise ConfigError(f"--resume: {root} {where}, but --run-dir {run_dir} holds a finished run "
+                                  f"({'; '.join(run_contents(run_dir, root))}): there is nothing to continue "
+                                  "from. Replace it with --overwrite, or choose another --run-dir")
+            # An attempt that died before its first checkpoint (a requeued job): its records are kept aside.
             return [f"--resume: {root} {where}; starting at step 0"], 0
         folder = complete[0]
         try:

@@ -285,7 +285,8 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
             if writer:
                 begin_run(cfg, run_dir, run.start_step)
             try:
-                _loop(run, ckpt, StepGuard(run, faults, stop, ckpt), watchdog, faults)
+                guard = StepGuard(run, faults, stop, ckpt)
+                _loop(run, ckpt, guard, watchdog, faults)
             except BaseException as exc:
                 if writer:  # the run began: its result says it failed (the failure report says why)
                     _write_result(run_dir, {**summarize(run), "status": "failed", "error": str(exc),
@@ -296,7 +297,8 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
     result = summarize(run)
     result.update(attempt=attempt, checkpoint=str(ckpt.last_folder) if ckpt.last_folder else None,
                   checkpoint_save_s=ckpt.save_seconds, status="finished")
-    if stop.requested:
+    end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    if guard.stop_requested and run.step < end:  # every rank agreed to stop before the launch's last step
         result.update(status="interrupted", signal=stop.signal_name,
                       stopped=f"{stop.signal_name or 'stop request'} after step {run.step}")
     if writer:
@@ -305,12 +307,16 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
 
 
 def begin_run(cfg: Config, run_dir: Path, start_step: int) -> None:
-    """config.yaml is the config of the launch that trains now; a resumed launch that changed it keeps the
-    one before as config-step-<N>.yaml (N: the step it continued from), so no setting is lost."""
+    """config.yaml is the config of the launch that trains now; a launch that changed it keeps the one
+    before as config-step-<N>.yaml (N: the step it continued from), so no setting is lost."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path, text = run_dir / "config.yaml", cfg.to_yaml()
-    if path.is_file() and path.read_text() != text and start_step > 0:
-        path.rename(run_dir / f"config-step-{start_step}.yaml")
+    if path.is_file() and path.read_text() != text:
+        keep, n = run_dir / f"config-step-{start_step}.yaml", 1
+        while keep.exists():  # resumed from this step before: keep every config that trained
+            n += 1
+            keep = run_dir / f"config-step-{start_step}-{n}.yaml"
+        path.rename(keep)
     path.write_text(text)
 
 
@@ -324,7 +330,7 @@ def _write_result(run_dir: Path, result: dict[str, Any]) -> None:
 def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, faults: Faults) -> None:
     cfg = run.cfg
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    log = MetricsLog(run.run_dir / "metrics.jsonl" if run.run_dir else None, cfg.train.steps, cfg.train.log_every,
+    log = MetricsLog(run.run_dir / "metrics.jsonl" if run.run_dir else None, end, cfg.train.log_every,
                      enabled=run.env.rank == 0, start_step=run.step, tensorboard=cfg.metrics.tensorboard)
     try:
         while run.step < end and not guard.stop_requested:
