@@ -64,7 +64,7 @@ def test_a_killed_rank_restarts_and_ends_with_the_same_losses(tmp_path: Path, dd
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_saves_and_exits_0_then_resume_continues(tmp_path: Path, ddp_reference: list[float]) -> None:
+def test_sigterm_saves_and_exits_0(tmp_path: Path) -> None:
     proc = subprocess.Popen([*_cli(*DDP), "--nproc", "2", "--run-dir", str(tmp_path)], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
@@ -79,10 +79,7 @@ def test_sigterm_saves_and_exits_0_then_resume_continues(tmp_path: Path, ddp_ref
     assert result["stopped"] == f"SIGTERM after step {stopped_at}" and stopped_at < 30
     assert result["status"] == "interrupted" and result["signal"] == "SIGTERM"
     assert store.verify(Path(result["checkpoint"]))["step"] == stopped_at
-    resumed = subprocess.run([*_cli(*DDP), "--nproc", "2", "--run-dir", str(tmp_path), "--resume"], env=_env(),
-                             capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr
-    assert _losses(tmp_path) == ddp_reference
+    # (that the run then resumes to the uninterrupted losses is checked after Ctrl-C, below)
 
 
 @pytest.mark.timeout(240)

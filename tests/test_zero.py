@@ -80,7 +80,8 @@ def _close(measured, expected, padding):
     return abs(measured - expected) <= 0.05 * expected + padding
 
 
-@pytest.mark.parametrize("n", [2, 4])
+# N = 2 only: 4 ranks on the suite's 2 cores cost 37 s for the same checks (each is against full / N).
+@pytest.mark.parametrize("n", [2])
 def test_memory_per_stage_scales_as_one_over_n(n):
     # Two micro-batches per rank, so that ZeRO-1 (gradients reduced once per step) and ZeRO-2 (reduced
     # after every micro-batch) differ.
