@@ -143,7 +143,7 @@ def test_kills_during_saves_never_leave_an_incomplete_checkpoint_to_resume(tmp_p
     for i in range(10):
         latest = store.complete_checkpoints(root)
         step = int(latest[0].name.removeprefix("step-")) + 1 if latest else 1
-        fault = f"kill-in-save:rank=0:step={step}:delay={rng.uniform(0, 1.2 * save_s):.4f}"
+        fault = f"kill-in-save:rank=0:step={step}:delay={rng.uniform(0, save_s):.4f}"
         child = ctx.Process(target=_train_in_child,
                             args=(str(run_dir), [*base, *(["checkpoint.resume=true"] if i else [])], fault))
         child.start()
@@ -153,7 +153,9 @@ def test_kills_during_saves_never_leave_an_incomplete_checkpoint_to_resume(tmp_p
         interrupted += bool(half_written)
         folder, _ = store.choose(root)
         assert folder is None or folder not in half_written
-    assert interrupted >= 5  # most kills landed inside a save, before its marker
+    # Several kills landed inside a save, before its marker (how many depends on the machine's load: the
+    # delays are drawn from the reference run's save time).
+    assert interrupted >= 3
     final = launch(load_config(None, [*base, "checkpoint.resume=true"]), run_dir)
     assert final.ok, final.message
     assert _losses(run_dir) == reference.result["losses"]
