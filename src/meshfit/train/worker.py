@@ -90,10 +90,17 @@ def main() -> None:
         from meshfit.config import config_from_dict
 
         run_dir, config_file = Path(sys.argv[1]), Path(sys.argv[2])
-        cfg = config_from_dict(yaml.safe_load(config_file.read_text()))
+        try:
+            text = config_file.read_text()
+        except FileNotFoundError:
+            # The launcher removes it when it ends: Ctrl-C reached it while this rank was still starting.
+            sys.exit(INTERRUPTED)
+        cfg = config_from_dict(yaml.safe_load(text))
         code = run_worker(run_dir, cfg, quiet="--launched" in sys.argv[3:])
     except KeyboardInterrupt:
         pass  # Ctrl-C while this rank was still importing: the launcher says what happened
+    except SystemExit as exc:
+        code = int(exc.code or 0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
