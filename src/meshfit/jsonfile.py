@@ -22,3 +22,13 @@ def read_json_object(path: str | Path, what: str, hint: str = "") -> dict[str, A
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a JSON object ({what})")
     return doc
+
+
+def json_object_or_none(path: str | Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is absent, unreadable or cut short (a file a rank was
+    writing when it was killed): for meshfit's own run files, where that means "not there"."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfit.config import Config
+from meshfit.jsonfile import json_object_or_none
 from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
 
@@ -97,9 +98,9 @@ def collect(run_dir: Path, exit_codes: dict[int, int] | None = None, since: floa
 
     Failures of an earlier attempt that a restart recovered from become notes of a successful outcome."""
     reports = sorted(
-        (r for p in (run_dir / "failures").glob("rank*.json") if (r := _read_json(p)) and r.get("time", 0) >= since),
+        (r for p in (run_dir / "failures").glob("rank*.json") if (r := json_object_or_none(p)) and r.get("time", 0) >= since),
         key=lambda r: r["time"]) if (run_dir / "failures").is_dir() else []
-    result = _read_json(run_dir / "result.json")
+    result = json_object_or_none(run_dir / "result.json")
     if result is not None and result.get("finished_at", 0) < since:
         result = None  # an earlier launch's result: this one ended before writing its own
     attempt = result.get("attempt", 0) if result else None
@@ -118,14 +119,6 @@ def collect(run_dir: Path, exit_codes: dict[int, int] | None = None, since: floa
         return Outcome(ok=True, result=result, notes=notes)
     failure = {"rank": -1, "message": result["error"]} if result and result.get("error") else None
     return Outcome(ok=False, failure=failure, exit_codes=exit_codes or {})
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # absent, or cut short by a killed rank
-    return data if isinstance(data, dict) else None
 
 
 def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: int = 0,
@@ -230,7 +223,7 @@ def _began(run_dir: Path, since: float) -> bool:
 def _record_failure(run_dir: Path, outcome: Outcome, since: float) -> None:
     """result.json of a run that began training in this launch and then failed where rank 0 could not
     say so itself (killed, stuck in a collective, or stopped by a signal before its save finished)."""
-    result = _read_json(run_dir / "result.json")
+    result = json_object_or_none(run_dir / "result.json")
     if result is not None and result.get("finished_at", 0) >= since:
         return  # rank 0 recorded it
     record = {"status": "failed", "error": outcome.message, "finished_at": time.time(),

@@ -10,13 +10,13 @@ changes nothing on disk. Schedule keys changed at a resume are named here, once,
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from meshfit.config import Config, ConfigError
+from meshfit.jsonfile import json_object_or_none
 from meshfit.train import checkpoint_store as store
 
 # What makes a directory a run's: a new run would replace or mix with these.
@@ -72,11 +72,8 @@ def _count_lines(path: Path) -> int:
 
 
 def _result_status(path: Path) -> str:
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return "unreadable"
-    return str(result.get("status", "finished")) if isinstance(result, dict) else "unreadable"
+    result = json_object_or_none(path)
+    return "unreadable" if result is None else str(result.get("status", "finished"))
 
 
 def guard_new_run(cfg: Config, run_dir: Path, resume: bool, overwrite: bool) -> list[Path]:
