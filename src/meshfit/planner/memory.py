@@ -8,6 +8,7 @@ a time) is left to the code that maps a layout onto these functions.
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 
 from meshfit.models.config import ATTENTIONS
@@ -161,6 +162,8 @@ def activation_terms_per_layer(
     return {name: float(value) for name, value in terms.items()}
 
 
+# A plan search asks for the same few layer shapes tens of thousands of times (exact fractions are slow).
+@functools.lru_cache(maxsize=4096)
 def activation_bytes_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
     bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",
