@@ -39,9 +39,9 @@ KINDS = {
     "ddp-mixed": (Layout(dp_replicate=4), MIXED),
     "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED_4),
     "zero2-op": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op"), MIXED),
-    "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True), EAGER, GPT),
-    "gpt-eager-attention": (Layout(tp=2, sp=True, loss_parallel=True, activation_checkpointing="attention"), EAGER,
-                            GPT),
+    "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), EAGER, GPT),
+    "gpt-eager-attention": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2,
+                                   activation_checkpointing="attention"), EAGER, GPT),
 }
 
 
