@@ -14,14 +14,18 @@ from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.verify import verify_layout
 
 # The `small` preset with a larger vocabulary, so that the logits weigh as they do in real models.
-MODEL = dataclasses.replace(get_preset("small"), vocab_size=8192, max_seq_len=256)
+MODEL = dataclasses.replace(get_preset("small"), vocab_size=8192, max_seq_len=1024)
 FP32 = Workload(seq_len=128, global_batch=8, precision="fp32")
 MIXED = Workload(seq_len=128, global_batch=8, precision="mixed")
-GPT = dataclasses.replace(get_preset("small-gpt"), vocab_size=8192, max_seq_len=256)
+GPT = dataclasses.replace(get_preset("small-gpt"), vocab_size=8192, max_seq_len=1024)
 # Half the batch where a layout's micro-batches add nothing new past the second (fewer steps to dry-run).
 FP32_4 = dataclasses.replace(FP32, global_batch=4)
 MIXED_4 = dataclasses.replace(MIXED, global_batch=4)
 EAGER = Workload(seq_len=128, global_batch=4, precision="mixed", attention="eager", dropout=0.1)
+# Long sequences, where activations and the logits outweigh the model states (a dry run costs the same:
+# fake tensors hold no data). Recompute policies are checked here, where what they drop decides the peak.
+LONG = dataclasses.replace(MIXED, seq_len=1024)
+EAGER_LONG = dataclasses.replace(EAGER, seq_len=1024)
 
 KINDS = {
     "ddp": (Layout(dp_replicate=4), FP32),
@@ -38,10 +42,11 @@ KINDS = {
     # Mixed precision without sharding (one rank: tests/test_verify.py): 16-bit activations too.
     "ddp-mixed": (Layout(dp_replicate=4), MIXED),
     "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED_4),
-    "zero2-op": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op"), MIXED),
+    "zero2-op-long": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op", micro_batch=2), LONG),
+    "fsdp-tp-long": (Layout(dp_shard=4, tp=2, zero_stage=3, sp=True, loss_parallel=True, micro_batch=2), LONG),
     "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), EAGER, GPT),
-    "gpt-eager-attention": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2,
-                                   activation_checkpointing="attention"), EAGER, GPT),
+    "gpt-eager-attention-long": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2,
+                                        activation_checkpointing="attention"), EAGER_LONG, GPT),
 }
 
 

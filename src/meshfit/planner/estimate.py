@@ -150,7 +150,7 @@ def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held
     # logits the peak comes in the forward, while the fp32 copy of the logits feeds the log-softmax.
     # torch's loss-parallel cross-entropy keeps one more fp32 tensor of the local logits' size.
     extra = 4 if layout.loss_parallel else 0
-    return held * saved + (tokens * vocab * ((8 if p == 4 else 4) + extra) if transient else 0.0)
+    return held * saved + (tokens * vocab * (8 + extra) if transient else 0.0)
 
 
 def _activations(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, mode: str
@@ -300,7 +300,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     spare = share.block_params * c_bytes if fsdp and not keep and gathered else 0.0
     root_copy = share.root_params * c_bytes if spare and c_bytes == 4 else 0.0
     phases = {
-        "loss": (params + gathered_loss, grads_loss, optim, acts, buckets),
+        # Stage 3 (and stage-0 replicas) re-shard the root too once the model's forward returns, before
+        # the loss runs (measured with torch's tracker): only stages 1 and 2 hold gathered weights here.
+        "loss": (params + (gathered_loss if keep else 0.0), grads_loss, optim, acts, buckets),
         # The end of the forward: the loss has only its saved tensors (plus the fp32 copy of 16-bit
         # logits, counted in the loss phase); stage 3 has re-sharded the last block.
         "forward end": (params + gathered_loss - spare + root_copy, grads_loss, optim, acts - (head - head_saved),

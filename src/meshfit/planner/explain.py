@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshfit.models.config import num_params
 from meshfit.planner.estimate import MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.layout import Layout
@@ -43,7 +45,9 @@ def _states_section(plan: Plan, usable: float) -> list[str]:
     wl, n = plan.workload, num_params(plan.model)
     w, g, k = state_bytes(wl.precision, wl.optimizer)
     world = plan.cluster.world_size
-    ddp = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1), wl)
+    # One sequence per rank and step (no accumulation), as the bigger batches below.
+    ddp = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1),
+                          dataclasses.replace(wl, global_batch=world))
     lines = [
         f"Model: {plan.model_name}, {fmt_count(n)} parameters. Precision {wl.precision} with {wl.optimizer}: "
         f"{w} B weights + {g} B gradients + {k} B optimizer states = {w + g + k} B per parameter, i.e. "
@@ -53,12 +57,15 @@ def _states_section(plan: Plan, usable: float) -> list[str]:
         f"allocator fragmentation).",
         "",
         f"Why plain DDP does not work: every one of the {world} GPUs holds that full replica, so adding GPUs "
-        f"adds no memory per model. With one sequence of {wl.seq_len} tokens per forward, one rank needs "
-        f"{_parts(ddp)} — it {_verdict(ddp, usable)}."
+        f"adds no memory per model. With one sequence of {wl.seq_len} tokens per forward, one rank's peak "
+        f"(at the {ddp.phase} phase) is {_parts(ddp)} — it {_verdict(ddp, usable)}."
         + (" Model states alone exceed the device." if n * (w + g + k) > usable else ""),
     ]
-    bigger = [estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=b), wl) for b in (2, 4)]
-    per_seq = (bigger[0].as_dict()["activations"] - ddp.as_dict()["activations"])
+    # b sequences per rank and forward, without accumulation.
+    bigger = [estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=b),
+                              dataclasses.replace(wl, global_batch=world * b)) for b in (2, 4)]
+    # Micro-batches 2 and 4 peak at the same moment (the loss): their difference is activations alone.
+    per_seq = (bigger[1].total - bigger[0].total) / 2
     lines += ["", f"Why a bigger local batch makes it worse: each extra sequence per forward adds "
               f"{fmt_bytes(per_seq)} of activations and nothing is shared: micro-batch 2 needs "
               f"{fmt_bytes(bigger[0].total)}, micro-batch 4 {fmt_bytes(bigger[1].total)} per rank. Larger "
