@@ -96,10 +96,11 @@ def test_pipeline_ranks_of_a_3d_layout_run_one_after_another_in_one_process():
     earlier = meshes()  # held, so that their ids are not reused (earlier tests' runs may still hold some)
     lay = Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True)
     assert measured_ranks(lay) == [0, 4]
-    best = verify_layout("tiny", lay, FP32)  # rank 0, then rank 4
+    two = dataclasses.replace(FP32, global_batch=4)  # two pipeline micro-batches
+    best = verify_layout("tiny", lay, two)  # rank 0, then rank 4
     _check_shape(best, grads=False)
     assert best.rank in (0, 4) and best.stage_ids == [best.rank // 4]
-    first = verify_layout("tiny", lay, FP32, rank=0)  # after rank 4
+    first = verify_layout("tiny", lay, two, rank=0)  # after rank 4
     assert first.stage_ids == [0]
     # The most loaded of the two: rank 0 itself, or rank 4 above it.
     assert best.measured == first.measured if best.rank == 0 else best.measured["total"] > first.measured["total"]
@@ -130,8 +131,9 @@ def _real_single_process_peaks(cfg, steps: int) -> list[int]:
 
 @pytest.mark.parametrize("work", [FP32, WORK], ids=["fp32", "mixed"])
 def test_fake_peak_matches_a_real_single_process_run(work):
-    fake = verify_layout("tiny", Layout(), work)
-    real = _real_single_process_peaks(verify_config("tiny", Layout(), work), steps=2)
+    layout = Layout(micro_batch=4)  # two accumulation steps
+    fake = verify_layout("tiny", layout, work)
+    real = _real_single_process_peaks(verify_config("tiny", layout, work), steps=2)
     assert abs(fake.measured["total"] - real[1]) <= 0.02 * real[1]
 
 
