@@ -7,40 +7,26 @@ then materializes and initializes::
     ...                                   # TP / FSDP / pipeline split
     model.to_empty(device="cuda")
     init_weights(model, seed, cfg)
+
+Configs and presets import without torch (the planner and the CLI's start-up need only them); the
+modules, ``build_model`` and ``init_weights`` load torch when first used.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import importlib
+from typing import Any
 
 from meshfit.models.config import ModelConfig, flops_per_token, num_params
-from meshfit.models.gpt import GPT
-from meshfit.models.init import init_weights
-from meshfit.models.llama import Llama
 from meshfit.models.presets import PRESETS, get_preset
 
-__all__ = [
-    "GPT",
-    "PRESETS",
-    "Llama",
-    "ModelConfig",
-    "build_model",
-    "flops_per_token",
-    "get_preset",
-    "init_weights",
-    "num_params",
-]
+# Names that need torch, and the module each lives in.
+_LAZY = {"GPT": "gpt", "Llama": "llama", "build_model": "build", "init_weights": "init"}
 
-_FAMILIES: dict[str, type[nn.Module]] = {"llama": Llama, "gpt": GPT}
+__all__ = ["PRESETS", "ModelConfig", "flops_per_token", "get_preset", "num_params", *_LAZY]
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> nn.Module:
-    """Validate ``cfg`` and construct its model with every tensor on ``device``.
-
-    Parameters carry torch's default initialization (nothing, on meta);
-    call :func:`init_weights` for the reproducible one.
-    """
-    cfg.validate()
-    with torch.device(device):
-        return _FAMILIES[cfg.family](cfg)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"meshfit.models.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'meshfit.models' has no attribute {name!r}")
