@@ -71,6 +71,21 @@ def test_tensor_parallel_with_sequence_and_loss_parallelism():
     assert 2 * TINY_PARAMS <= result.measured["params"] < 2.1 * TINY_PARAMS
 
 
+def test_sequence_parallelism_keeps_only_the_shard_of_gathered_inputs(monkeypatch):
+    # Each column-parallel region (attention and MLP of every block, the head) all-gathers its input along
+    # the sequence; backward gathers it again, so only the shard stays alive. Without that, every gathered
+    # input would stay too: the other (t - 1)/t of s·b·h fp32 values per region, at the loss peak.
+    lay, work = Layout(tp=2, sp=True, loss_parallel=True, micro_batch=8), dataclasses.replace(FP32, global_batch=8)
+    kept = verify_layout("tiny", lay, work)
+    import meshfit.parallel.parallelize as parallelize
+
+    monkeypatch.setattr(parallelize, "regather_in_backward", lambda *args: None)
+    gathered = verify_layout("tiny", lay, work)
+    cfg = get_preset("tiny")
+    regions = 2 * cfg.n_layers + 1
+    assert gathered.measured["activations"] - kept.measured["activations"] == regions * 64 * 8 * cfg.dim * 4 // 2
+
+
 def test_pipeline_measures_every_pipeline_rank_and_reports_the_most_loaded():
     lay = Layout(pp=2, micro_batch=2)  # 4 micro-batches: 1F1B's warm-up, steady state and drain
     assert measured_ranks(lay) == [0, 1]

@@ -46,6 +46,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
             if keeps_block_graph(block):
                 for region, projections in gathered_input_regions(block, model_cfg.family):
                     regather_in_backward(region, projections)
+        if model.output is not None:  # the head gathers the final norm's output itself
+            regather_in_backward(model.output, [model.output])
     kind = data_parallel_kind(zero_stage, dims.dp, dims.tp, mixed_precision)
     # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
     if kind in ("fsdp", "replicas"):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class _Regathered:
@@ -53,7 +54,7 @@ class _Region:
     def after_gather(self, module: nn.Module, args: tuple) -> None:
         x = args[0] if args else None
         if self.shard is not None and isinstance(x, DTensor):
-            self.gathered = _root(x._local_tensor)
+            self.gathered = x._local_tensor
             self.entry = _Regathered(self.shard)
 
     def after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -70,15 +71,20 @@ class _Region:
             self.hooks = None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self.entry is not None and isinstance(t, DTensor) and _root(t._local_tensor) is self.gathered:
+        if self.entry is not None and isinstance(t, DTensor) and _whole_view(t._local_tensor, self.gathered):
             self.entry.pending += 1
             return (self.entry, t.shape)
         return t
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns ``t``'s memory (``t`` itself, or the base it is a view of)."""
-    return t if t._base is None else t._base
+def _whole_view(t: torch.Tensor, gathered: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a reshaped view of all of ``gathered`` (the matmul's flattened input).
+
+    Views made under DTensor's dispatch sit below autograd, which alone records ``_base``: compare the
+    storage itself."""
+    return (gathered is not None and t.numel() == gathered.numel() and t.storage_offset() == 0
+            and t.is_contiguous() and gathered.is_contiguous()
+            and StorageWeakRef(t.untyped_storage()) == StorageWeakRef(gathered.untyped_storage()))
 
 
 def _unpack(saved: Any) -> torch.Tensor:

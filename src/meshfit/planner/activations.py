@@ -56,18 +56,7 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
         kv=model.n_kv_heads / model.n_heads)
     if gpt:
         total += tokens * 2 * 2 * p / seq_split  # two LayerNorms' mean and reciprocal deviation
-    return total + gathered_input_bytes(model, mode=mode, seq=seq, batch=batch, tp=tp, sp=sp)
-
-
-def gathered_input_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int, sp: bool,
-                         inputs: int = 2) -> float:
-    """What torch's sequence parallelism keeps beyond the sequence shard: the column-parallel linears
-    (attention's q/k/v, the MLP's first layers: ``inputs`` = 2 per block; the head: 1) receive the
-    all-gathered, full-sequence input and keep it for their backward (Megatron keeps the shard and gathers
-    it again in backward; the paper formulas in planner/memory.py count the shard)."""
-    if not sp or tp == 1:
-        return 0.0
-    return inputs * seq * batch * model.dim * value_bytes(mode) * (1 - 1 / tp)
+    return total
 
 
 def _op_kept_per_token(model: ModelConfig, p: int, seq: int, tp: int, sp: bool, attention: str) -> float:

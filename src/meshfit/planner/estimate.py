@@ -25,7 +25,6 @@ from meshfit.planner.activations import (
     block_activation_bytes,
     block_weight_params,
     checkpointed_block_bytes,
-    gathered_input_bytes,
 )
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.schedules import v_shaped
@@ -146,7 +145,6 @@ def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held
     vocab = model.padded_vocab / layout.tp if layout.loss_parallel else model.padded_vocab
     p = 4 if mode == "fp32" else 2
     norm = tokens * model.dim * (12 if mode != "bf16" else 8) / (layout.tp if layout.sp else 1)
-    norm += gathered_input_bytes(model, mode=mode, seq=tokens, batch=1, tp=layout.tp, sp=layout.sp, inputs=1)
     saved = norm + tokens * vocab * (p + 4)
     # Measured: in fp32 the gradients of the log-probabilities and of the logits coexist; with 16-bit
     # logits the peak comes in the forward, while the fp32 copy of the logits feeds the log-softmax.
