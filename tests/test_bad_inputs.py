@@ -316,6 +316,12 @@ PLAN_FLAGS = [
     case("verify-global-batch-vs-dp", "verify --model tiny --seq-len 64 --layout dp_shard=2 --global-batch 3",
          "--global-batch 3", "valid: 2, 4"),
     case("verify-layout-tp-heads", "verify --model tiny --seq-len 64 --layout tp=3", "--layout tp=3", ": 1, 2"),
+    case("verify-layout-vs-cluster", "verify --model tiny --seq-len 64 --gpus-per-node 2 --layout dp_shard=4",
+         "--layout spans 4 GPUs", "--gpus-per-node 2", "make the two equal"),
+    case("plan-micro-batch-twice", f"{SMALL_PLAN} --layout dp_shard=2,micro_batch=1 --micro-batch 2",
+         "--micro-batch 2 contradicts micro_batch=1 in --layout", "give it once"),
+    case("verify-checkpointing-twice", "verify --model tiny --seq-len 64 --layout dp_shard=2,activation_checkpointing=op "
+         "--activation-checkpointing full", "--activation-checkpointing full contradicts activation_checkpointing=op"),
 ]
 
 EXPORT = [

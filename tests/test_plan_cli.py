@@ -130,6 +130,23 @@ def test_plan_json_schema_and_bad_flags(capsys):
     assert bad.returncode == 2 and "zero_stage=5 must be 0, 1, 2 or 3" in bad.stderr
     bad = meshfit("plan", "--model", "llama3-9b")
     assert bad.returncode == 2 and "not a preset" in bad.stderr and "llama3-8b" in bad.stderr
+    # Flags that are layout keys too apply to --layout (once: a contradiction is refused, tests/test_bad_inputs.py).
+    both = meshfit("plan", "--model", "llama3-8b", "--json", "--layout", "dp_shard=8,zero_stage=3,micro_batch=2",
+                   "--micro-batch", "2", "--activation-checkpointing", "full")
+    assert both.returncode == 0, both.stderr
+    layout = json.loads(both.stdout)["candidates"][0]["layout"]
+    assert (layout["micro_batch"], layout["activation_checkpointing"]) == (2, "full")
+
+
+def test_verify_says_whether_the_peak_fits_the_device(capsys):
+    meshfit = in_process(capsys)
+    args = ("verify", "--model", "tiny", "--seq-len", "64", "--layout", "dp_shard=2,zero_stage=3", "--json")
+    fits = json.loads(meshfit(*args).stdout)
+    assert fits["fits"] is True and fits["gpu"] == "H100-SXM" and fits["measured"]["total"] < fits["usable_bytes"]
+    small = meshfit(*args[:-1], "--gpu-memory", "1MiB")
+    assert small.returncode == 0, small.stderr
+    needed = fits["measured"]["total"]
+    assert "does not fit" in small.stdout and f"{needed / 2**20:.1f} MiB needed" in small.stdout
 
 
 @pytest.mark.multiproc

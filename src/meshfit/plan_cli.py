@@ -63,8 +63,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
                    help="custom dimensions on top of --model, e.g. dim=5120,n_layers=40,n_heads=40")
     g = parser.add_argument_group("cluster")
     g.add_argument("--gpu", default="H100-SXM", help=f"GPU model: {', '.join(GPUS)} (default H100-SXM)")
-    g.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
-    g.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    # None when not given: verify then measures the --layout's world size instead of checking it.
+    g.add_argument("--nodes", type=positive_int, default=None, help="nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default 8)")
     g.add_argument("--gpu-memory", type=memory_size, metavar="SIZE", help="override the GPU's memory, e.g. 64GiB")
     g.add_argument("--gpu-tflops", type=positive_float, metavar="T", help="override the dense bf16 peak, TFLOP/s")
     g.add_argument("--intra-node-gbps", type=positive_float, metavar="GB/s",
@@ -136,7 +137,7 @@ def resolve_cluster(args: argparse.Namespace) -> Cluster:
         changes["inter_node_bytes_per_s"] = args.inter_node_gbps * 1e9
     if changes:
         gpu = dataclasses.replace(gpu, name=f"{gpu.name}*", **changes)
-    return Cluster(gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    return Cluster(gpu, nodes=args.nodes or 1, gpus_per_node=args.gpus_per_node or 8)
 
 
 def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
@@ -187,6 +188,25 @@ def _parse_layout(text: str):
         raise PlanInputError("--" + message if message.startswith("layout ") else message) from None
 
 
+# Flags that set a field of the layout as well: (flag, layout key).
+_LAYOUT_FLAGS = (("--micro-batch", "micro_batch"), ("--activation-checkpointing", "activation_checkpointing"))
+
+
+def layout_from_args(args: argparse.Namespace):
+    """--layout with --micro-batch / --activation-checkpointing applied; a flag that contradicts a key the
+    layout sets itself is refused (never one silently over the other)."""
+    layout = _parse_layout(args.layout or "")
+    written = dict(item.split("=", 1) for item in (args.layout or "").replace(" ", "").split(",") if "=" in item)
+    for flag, key in _LAYOUT_FLAGS:
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if key in written and getattr(layout, key) != value:
+            raise PlanInputError(f"{flag} {value} contradicts {key}={written[key]} in --layout: give it once")
+        layout = dataclasses.replace(layout, **{key: value})
+    return layout
+
+
 def check_out_file(path: Path | None) -> None:
     """--out names a file that can be written (checked before the search, which may take a while)."""
     if path is None:
@@ -224,9 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = resolve_cluster(args)
     workload = resolve_workload(args, cluster.world_size)
     if args.layout:
-        layout = _parse_layout(args.layout)
-        if args.micro_batch:
-            layout = dataclasses.replace(layout, micro_batch=args.micro_batch)
+        layout = layout_from_args(args)
         check_layout(model, layout, workload, cluster)
         plan = Plan(model=model, model_name=name, workload=workload, cluster=cluster,
                     candidates=[evaluate(model, layout, workload, cluster)])
@@ -270,12 +288,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from meshfit.planner.verify import verify_layout
 
     name, model = resolve_model(args.model, args.dims)
-    layout = _parse_layout(args.layout or "")
-    cluster = resolve_cluster(args) if args.nodes * args.gpus_per_node == layout.world_size else None
+    layout = layout_from_args(args)
+    cluster = resolve_cluster(args)
+    if args.nodes is None and args.gpus_per_node is None:
+        # No cluster given: the dry run measures the layout's own world size, on --gpu's memory.
+        cluster = dataclasses.replace(cluster, nodes=1, gpus_per_node=layout.world_size)
     workload = resolve_workload(args, layout.world_size)
-    if args.micro_batch:
-        layout = dataclasses.replace(layout, micro_batch=args.micro_batch)
-    check_layout(model, layout, workload)
+    check_layout(model, layout, workload, cluster)
     predicted = estimate_memory(model, layout, workload).as_dict()
     console = Console(stderr=True)
     progress = None if args.json else (lambda msg: console.print(f"[dim]{msg}[/dim]"))
@@ -290,6 +309,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": name, "layout": layout.to_dict(), "world_size": layout.world_size,
                           "rank": result.rank, "predicted": predicted, "measured": result.measured,
+                          "gpu": cluster.gpu.name, "usable_bytes": int(usable_bytes(cluster.gpu.memory_bytes)),
+                          "fits": result.measured["total"] <= usable_bytes(cluster.gpu.memory_bytes),
                           "wall_s": result.wall_s, "max_rss_bytes": result.max_rss_bytes}, indent=1))
         return 0
     out = Console(width=None if Console().is_terminal else 120)
@@ -302,9 +323,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         err = f"{(p - m) / m:+.1%}" if m else "-"
         table.add_row(key, fmt_bytes(p), fmt_bytes(m), err)
     out.print(table)
-    out.print(f"dry run: {result.wall_s:.1f} s, {fmt_bytes(result.max_rss_bytes)} peak process memory"
-              + ("" if cluster is None else f"; {cluster.gpu.name} usable memory: "
-                 f"{fmt_bytes(usable_bytes(cluster.gpu.memory_bytes))}"))
+    usable = usable_bytes(cluster.gpu.memory_bytes)
+    peak = result.measured["total"]
+    verdict = (f"fits: {fmt_bytes(peak)} of {fmt_bytes(usable)} usable" if peak <= usable else
+               f"does not fit: {fmt_bytes(peak)} needed, {fmt_bytes(usable)} usable ({fmt_bytes(peak - usable)} "
+               "too much)")
+    out.print(f"{cluster.gpu.name}: {verdict} (the planner's headroom for the CUDA context, communication "
+              f"buffers and fragmentation taken off)\ndry run: {result.wall_s:.1f} s, "
+              f"{fmt_bytes(result.max_rss_bytes)} peak process memory", highlight=False)
     return 0
 
 
