@@ -320,6 +320,8 @@ PLAN_FLAGS = [
          "--layout spans 4 GPUs", "--gpus-per-node 2", "make the two equal"),
     case("plan-micro-batch-twice", f"{SMALL_PLAN} --layout dp_shard=2,micro_batch=1 --micro-batch 2",
          "--micro-batch 2 contradicts micro_batch=1 in --layout", "give it once"),
+    case("plan-micro-batch-twice-hyphen", f"{SMALL_PLAN} --layout dp_shard=2,micro-batch=1 --micro-batch 2",
+         "--micro-batch 2 contradicts micro_batch=1 in --layout"),
     case("verify-checkpointing-twice", "verify --model tiny --seq-len 64 --layout dp_shard=2,activation_checkpointing=op "
          "--activation-checkpointing full", "--activation-checkpointing full contradicts activation_checkpointing=op"),
 ]

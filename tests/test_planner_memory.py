@@ -305,3 +305,12 @@ def test_cuda_device_names_map_to_the_catalog():
     assert gpu_for_device("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
     assert gpu_for_device("NVIDIA H200").bf16_flops == gpu_for_device("NVIDIA H100 80GB HBM3").bf16_flops
     assert gpu_for_device("Some other accelerator") is None
+
+
+def test_cached_layer_activations_still_validate_after_an_equal_valid_call():
+    from meshfit.planner.memory import activation_bytes_per_layer
+
+    kw = dict(s=8, b=1, h=16, a=2)
+    activation_bytes_per_layer(t=1, **kw)  # cached: an equal but invalid argument must not hit this entry
+    with pytest.raises(ValueError):
+        activation_bytes_per_layer(t=True, **kw)

@@ -16,7 +16,7 @@ from rich.table import Table
 from meshfit.models.config import ATTENTIONS
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.hardware import GPUS, Cluster, get_gpu
-from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Workload, parse_assignments,
+from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Layout, Workload, parse_assignments,
                                     parse_layout)
 from meshfit.names import did_you_mean
 from meshfit.units import fmt_bytes, fmt_count, fmt_duration, parse_bytes
@@ -180,12 +180,16 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
                              f"valid: {', '.join(map(str, divisors(batch // dp)))}")
 
 
+def _layout_error(exc: ValueError) -> PlanInputError:
+    message = str(exc)  # Layout.check says "layout KEY=…": here the user wrote it as --layout
+    return PlanInputError("--" + message if message.startswith("layout ") else message)
+
+
 def _parse_layout(text: str):
     try:
         return parse_layout(text)
-    except ValueError as exc:  # Layout.check says "layout KEY=…": here the user wrote it as --layout
-        message = str(exc)
-        raise PlanInputError("--" + message if message.startswith("layout ") else message) from None
+    except ValueError as exc:
+        raise _layout_error(exc) from None
 
 
 # Flags that set a field of the layout as well: (flag, layout key).
@@ -196,7 +200,7 @@ def layout_from_args(args: argparse.Namespace):
     """--layout with --micro-batch / --activation-checkpointing applied; a flag that contradicts a key the
     layout sets itself is refused (never one silently over the other)."""
     layout = _parse_layout(args.layout or "")
-    written = dict(item.split("=", 1) for item in (args.layout or "").replace(" ", "").split(",") if "=" in item)
+    written = parse_assignments(args.layout or "", Layout, "--layout")  # the keys as the parser reads them
     for flag, key in _LAYOUT_FLAGS:
         value = getattr(args, key)
         if value is None:
@@ -204,6 +208,10 @@ def layout_from_args(args: argparse.Namespace):
         if key in written and getattr(layout, key) != value:
             raise PlanInputError(f"{flag} {value} contradicts {key}={written[key]} in --layout: give it once")
         layout = dataclasses.replace(layout, **{key: value})
+    try:
+        layout.check()
+    except ValueError as exc:
+        raise _layout_error(exc) from None
     return layout
 
 
@@ -308,7 +316,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result = verify_layout(model, layout, workload, progress=progress)
     if args.json:
         print(json.dumps({"model": name, "layout": layout.to_dict(), "world_size": layout.world_size,
-                          "rank": result.rank, "predicted": predicted, "measured": result.measured,
+                          "rank": result.rank, "per_rank_total": result.per_rank, "predicted": predicted,
+                          "measured": result.measured,
                           "gpu": cluster.gpu.name, "usable_bytes": int(usable_bytes(cluster.gpu.memory_bytes)),
                           "fits": result.measured["total"] <= usable_bytes(cluster.gpu.memory_bytes),
                           "wall_s": result.wall_s, "max_rss_bytes": result.max_rss_bytes}, indent=1))

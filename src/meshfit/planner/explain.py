@@ -64,10 +64,13 @@ def _states_section(plan: Plan, usable: float) -> list[str]:
     # b sequences per rank and forward, without accumulation.
     bigger = [estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=b),
                               dataclasses.replace(wl, global_batch=world * b)) for b in (2, 4)]
-    # Micro-batches 2 and 4 peak at the same moment (the loss): their difference is activations alone.
+    # Once micro-batches 2 and 4 peak at the loss, their difference is activations alone.
     per_seq = (bigger[1].total - bigger[0].total) / 2
-    lines += ["", f"Why a bigger local batch makes it worse: each extra sequence per forward adds "
-              f"{fmt_bytes(per_seq)} of activations and nothing is shared: micro-batch 2 needs "
+    grows = (f"each extra sequence per forward adds {fmt_bytes(per_seq)} of activations and nothing is shared"
+             if per_seq > 0 else f"the peak stays at the {bigger[1].phase} phase, where the activations are gone, "
+             "so more sequences do not raise it here; they do not lower it either")
+    heading = "Why a bigger local batch makes it worse" if per_seq > 0 else "Why a bigger local batch does not help"
+    lines += ["", f"{heading}: {grows}: micro-batch 2 needs "
               f"{fmt_bytes(bigger[0].total)}, micro-batch 4 {fmt_bytes(bigger[1].total)} per rank. Larger "
               "batches buy throughput only once the model states are sharded or split."]
     return lines

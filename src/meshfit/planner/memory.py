@@ -163,7 +163,7 @@ def activation_terms_per_layer(
 
 
 # A plan search asks for the same few layer shapes tens of thousands of times (exact fractions are slow).
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: True and 1, 8.0 and 8 are validated apart
 def activation_bytes_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
     bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshfit.config import Config, load_config
@@ -53,11 +53,12 @@ class VerifyResult:
     max_rss_bytes: int  # peak resident memory of this process
     steps: int
     phase: str = ""  # the training phase at the peak ("forward", "backward", "optimizer step", ...)
+    per_rank: dict[int, int] = field(default_factory=dict)  # total of every rank measured (pipeline ranks)
 
     def to_dict(self) -> dict[str, Any]:
         return {"measured": dict(self.measured), "phase": self.phase, "rank": self.rank,
                 "stage_ids": self.stage_ids, "wall_s": self.wall_s, "max_rss_bytes": self.max_rss_bytes,
-                "steps": self.steps}
+                "steps": self.steps, "per_rank": dict(self.per_rank)}
 
 
 def verify_config(model: ModelConfig | str, layout: Layout, workload: Workload) -> Config:
@@ -114,14 +115,16 @@ def verify_layout(model: ModelConfig | str, layout: Layout, workload: Workload, 
     say = progress or (lambda _msg: None)
     start = time.perf_counter()
     best: tuple[dict[str, int], int, list[int] | None, str] | None = None
+    per_rank: dict[int, int] = {}
     for measured_rank in [rank] if rank is not None else measured_ranks(layout):
         measured, stage_ids, phase = _steady_peak(_dry_run(cfg, world, measured_rank, steps, say, start))
+        per_rank[measured_rank] = measured["total"]
         if best is None or measured["total"] > best[0]["total"]:
             best = (measured, measured_rank, stage_ids, phase)
     assert best is not None
     return VerifyResult(measured=best[0], rank=best[1], stage_ids=best[2], wall_s=time.perf_counter() - start,
                         max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, steps=steps,
-                        phase=best[3])
+                        phase=best[3], per_rank=per_rank)
 
 
 def _dry_run(cfg: Config, world: int, rank: int, steps: int, say: Callable[[str], None],
