@@ -54,6 +54,7 @@ def _forward_activations(cfg, t: int, sp: bool, policy: str, seq: int, batch: in
     tracker.track_external(model)
     with tracker:
         model(tokens)
+        torch.distributed.barrier()  # after every rank's collectives of this forward, before counting
         snapshot = next(iter(tracker.get_tracker_snapshot().values()))
     return sum(v for k, v in snapshot.items() if str(k).endswith(("ACT", "TEMP")))
 
