@@ -165,3 +165,17 @@ def test_plan_file_runs_with_train(tmp_path):
     assert predicted == pytest.approx(result["peak_mem_bytes"], rel=0.1)
     missing = meshfit("train", "--plan", str(plan_file))
     assert missing.returncode == 2 and "add --nproc 2" in missing.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_the_cli_and_the_planner_import_without_torch():
+    # `meshfit plan` answers in seconds because nothing on its path imports torch (about 2.5 s here).
+    import subprocess
+    import sys
+
+    code = ("import sys, meshfit.cli, meshfit.planner.search, meshfit.planner.explain, meshfit.models; "
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
