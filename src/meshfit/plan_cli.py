@@ -199,20 +199,19 @@ _LAYOUT_FLAGS = (("--micro-batch", "micro_batch"), ("--activation-checkpointing"
 def layout_from_args(args: argparse.Namespace):
     """--layout with --micro-batch / --activation-checkpointing applied; a flag that contradicts a key the
     layout sets itself is refused (never one silently over the other)."""
-    layout = _parse_layout(args.layout or "")
-    written = parse_assignments(args.layout or "", Layout, "--layout")  # the keys as the parser reads them
-    for flag, key in _LAYOUT_FLAGS:
-        value = getattr(args, key)
-        if value is None:
-            continue
-        if key in written and getattr(layout, key) != value:
-            raise PlanInputError(f"{flag} {value} contradicts {key}={written[key]} in --layout: give it once")
-        layout = dataclasses.replace(layout, **{key: value})
+    text = args.layout or ""
     try:
-        layout.check()
+        written = parse_assignments(text, Layout, "--layout")  # the keys and values as the parser reads them
     except ValueError as exc:
         raise _layout_error(exc) from None
-    return layout
+    flags = {key: getattr(args, key) for _, key in _LAYOUT_FLAGS if getattr(args, key) is not None}
+    for flag, key in _LAYOUT_FLAGS:
+        if key in flags and key in written and written[key] != flags[key]:
+            raise PlanInputError(f"{flag} {flags[key]} contradicts {key}={written[key]} in --layout: give it once")
+    try:
+        return parse_layout(text, base=dataclasses.replace(Layout(), **flags))
+    except ValueError as exc:
+        raise _layout_error(exc) from None
 
 
 def check_out_file(path: Path | None) -> None:

@@ -4,13 +4,14 @@
 
 `fn(*args)` must be importable (defined at module level). Each rank is a fresh process, forked from a
 server that imported torch and meshfit once (starting a rank then costs milliseconds, not the seconds of
-a new interpreter's imports), with this process's environment and the torchrun variables set. The server
-is multiprocessing's one per process, started at the first call: what torch and meshfit read from the
-environment at import time, and meshfit's code itself, are as they were then (a process that reloads
-meshfit or changes such variables between calls should use its own spawn context) (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free
-port) and a gloo process group already initialized; the group is torn down afterwards and the process ends
-with os._exit (gloo's teardown race). If any rank raises, the others are killed at once and the error is
-raised here with that rank's traceback; past the timeout every rank is killed and TimeoutError raised.
+a new interpreter's imports), with this process's environment, the torchrun variables set (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port) and a gloo process group already
+initialized; the group is torn down afterwards and the process ends with os._exit (gloo's teardown race).
+The server is multiprocessing's one per process, started at the first call: what torch and meshfit read
+from the environment at import time, and meshfit's code itself, are as they were then (a process that
+reloads meshfit or changes such variables between calls should use its own spawn context). If any rank
+raises, the others are killed at once and the error is raised here with that rank's traceback; past the
+timeout every rank is killed and TimeoutError raised.
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ def _states_section(plan: Plan, usable: float) -> list[str]:
     wl, n = plan.workload, num_params(plan.model)
     w, g, k = state_bytes(wl.precision, wl.optimizer)
     world = plan.cluster.world_size
-    # One sequence per rank and step (no accumulation), as the bigger batches below.
-    ddp = estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=1),
-                          dataclasses.replace(wl, global_batch=world))
+    # DDP with b sequences per rank and forward, without accumulation: b = 1 here, 2 and 4 below.
+    ddp, *bigger = [estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=b),
+                                    dataclasses.replace(wl, global_batch=world * b)) for b in (1, 2, 4)]
     lines = [
         f"Model: {plan.model_name}, {fmt_count(n)} parameters. Precision {wl.precision} with {wl.optimizer}: "
         f"{w} B weights + {g} B gradients + {k} B optimizer states = {w + g + k} B per parameter, i.e. "
@@ -61,9 +61,6 @@ def _states_section(plan: Plan, usable: float) -> list[str]:
         f"(at the {ddp.phase} phase) is {_parts(ddp)} — it {_verdict(ddp, usable)}."
         + (" Model states alone exceed the device." if n * (w + g + k) > usable else ""),
     ]
-    # b sequences per rank and forward, without accumulation.
-    bigger = [estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=b),
-                              dataclasses.replace(wl, global_batch=world * b)) for b in (2, 4)]
     # Once micro-batches 2 and 4 peak at the loss, their difference is activations alone.
     per_seq = (bigger[1].total - bigger[0].total) / 2
     grows = (f"each extra sequence per forward adds {fmt_bytes(per_seq)} of activations and nothing is shared"
