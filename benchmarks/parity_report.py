@@ -52,6 +52,8 @@ LAYOUTS = {
     "zero3 bf16": (2, ["parallel.dp_shard=2", "parallel.mixed_precision=true"]),
     "zero1 bf16 accum": (2, ["parallel.dp_shard=2", "parallel.zero_stage=1", "train.micro_batch=1",
                              "parallel.mixed_precision=true"]),
+    "zero2 bf16 accum": (2, ["parallel.dp_shard=2", "parallel.zero_stage=2", "train.micro_batch=1",
+                             "parallel.mixed_precision=true"]),
     "one rank bf16": (1, ["parallel.mixed_precision=true"]),
     "ddp bf16 accum": (2, ["parallel.dp_replicate=2", "train.micro_batch=2", "parallel.mixed_precision=true"]),
     "tp2+sp bf16": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.mixed_precision=true"]),

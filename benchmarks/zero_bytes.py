@@ -6,7 +6,8 @@ Part 1 (planner only): Llama-3 8B at N = 8, 64, 1024 and a GPT with 36 layers, h
 51,200 at N = 64, mixed-precision AdamW, two micro-batches per rank (so that stages 1 and 2 differ). For each
 stage: the paper's model states (Rajbhandari et al. 2020, Table 1), meshfit's weights + gradients + optimizer
 states at the planned peak, the part of it that is gathered compute-dtype weights beyond the paper's 16-bit
-copy (the working set), and what stays between steps; all in bytes per parameter.
+copy and the unreduced gradients of the units in flight (the working set), the model states without that
+working set against the paper, and what stays between steps; all in bytes per parameter.
 
 Part 2 (N = 2 and 4 on this machine): the `small` preset in mixed precision, seq 32, two micro-batches of
 one sequence per rank. For each stage the most-loaded rank's peak as planned, dry-run (`meshfit verify`) and
@@ -37,6 +38,12 @@ def paper(stage: int, n: int) -> float:
     return {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
 
 
+# Gradients each stage holds by design under mixed precision with accumulation: DDP-style replicas their
+# fp32 sums, stage 1 full bf16 sums, stage 2 bf16 shards (the stash), stage 3 fp32 shards.
+HELD_GRADS = {0: lambda psi, n: 4 * psi, 1: lambda psi, n: 2 * psi, 2: lambda psi, n: 2 * psi / n,
+              3: lambda psi, n: 4 * psi / n}
+
+
 def layout(stage: int, n: int) -> Layout:
     return Layout(dp_replicate=n) if stage == 0 else Layout(dp_shard=n, zero_stage=stage)
 
@@ -44,7 +51,7 @@ def layout(stage: int, n: int) -> Layout:
 def planner_table() -> None:
     print("model states, bytes/param (mixed-precision AdamW, 2 micro-batches per rank)")
     print(f"{'model':12s} {'N':>5s} {'stage':>5s} {'paper':>7s} {'plan':>7s} {'ratio':>6s} {'gathered':>9s} "
-          f"{'at rest':>8s}  peak phase")
+          f"{'unreduced':>9s} {'held':>6s} {'ratio':>6s} {'at rest':>8s}  peak phase")
     for name, model, n in CASES:
         psi = num_params(model)
         work = Workload(seq_len=2048, global_batch=2 * n, precision="mixed")
@@ -53,9 +60,13 @@ def planner_table() -> None:
             states = est.params + est.grads + est.optim
             # Gathered compute-dtype copies beyond the 16-bit weights the paper counts at stages 0-2.
             gathered = max(0.0, est.params - est.rest[0] - (2 * psi if stage in (1, 2) else 0))
+            # Gradients beyond those the stage holds by design: units' unreduced gradients in flight.
+            unreduced = max(0.0, est.grads - HELD_GRADS[stage](psi, n))
+            held = (states - gathered - unreduced) / psi
             print(f"{name:12s} {n:5d} {stage:5d} {paper(stage, n):7.3f} {states / psi:7.3f} "
-                  f"{states / psi / paper(stage, n):6.3f} {gathered / psi:9.3f} "
-                  f"{est.at_rest_dict()['total'] / psi:8.3f}  {est.phase}", flush=True)
+                  f"{states / psi / paper(stage, n):6.3f} {gathered / psi:9.3f} {unreduced / psi:9.3f} "
+                  f"{held:6.3f} {held / paper(stage, n):6.3f} {est.at_rest_dict()['total'] / psi:8.3f}  "
+                  f"{est.phase}", flush=True)
 
 
 SMALL = get_preset("small")

@@ -77,3 +77,42 @@ def nonfinite_job(cfg_dict: dict[str, Any], fault: str) -> dict[str, Any]:
             out["unchanged"] = all(torch.equal(before[k], v) for k, v in params().items())
         out["records"].append({k: record.get(k) for k in ("step", "loss", "skipped")})
     return out
+
+
+def stash_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """ZeRO-2 under mixed precision: what the gradient stash holds between micro-batches, and how far the
+    accumulated gradients are from those of the same micro-batches accumulated in fp32 (no stash)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from meshfit.train.trainer import _micro_step, build_run
+
+    cfg = config_from_dict(cfg_dict)
+    env = init_distributed(cfg.train.device)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    out: dict[str, Any] = {}
+    grads = {}
+    for name in ("stash", "fp32"):
+        run = build_run(cfg, env, None)
+        if name == "fp32":
+            run.stash = None
+        else:
+            out["has_stash"] = run.stash is not None
+        inputs, targets = run.batches.next_batch()
+        pairs = list(zip(inputs.split(run.shape.micro_batch), targets.split(run.shape.micro_batch), strict=True))
+        for i, (x, y) in enumerate(pairs):
+            _micro_step(run, x, y, sync=(i == len(pairs) - 1))
+            if i == 0 and name == "stash":
+                params = run.stash.params  # the sharded parameters (the module holds gathered ones now)
+                out["grads_after_first"] = sum(p.grad is not None for p in params)
+                out["stash_dtypes"] = sorted({str(a.dtype) for a in run.stash.acc.values()})
+                out["stash_bytes"] = sum(a.numel() * a.element_size() for a in run.stash.acc.values())
+                out["shard_elements"] = sum(local(p).numel() for p in params)
+        grads[name] = torch.cat([local(p.grad).flatten().float() for p in run.model.parameters()])
+        out[f"{name}_grad_dtype"] = str(next(run.model.parameters()).grad.dtype)
+    diff = (grads["stash"] - grads["fp32"]).norm() / grads["fp32"].norm()
+    out["relative_difference"] = float(diff)
+    return out

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from dist_jobs import parity_config, train_job
+from dist_jobs import parity_config, stash_job, train_job
 from meshfit.testing import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -57,6 +57,7 @@ MIXED_LAYOUTS = {
     "one-rank": (1, []),
     "ddp": (2, ["parallel.dp_replicate=2", "train.micro_batch=2"]),
     "zero1": (2, ["parallel.dp_shard=2", "parallel.zero_stage=1", "train.micro_batch=1"]),  # bf16 reductions
+    "zero2": (2, ["parallel.dp_shard=2", "parallel.zero_stage=2", "train.micro_batch=1"]),  # bf16 stash
     "zero3": (2, ["parallel.dp_shard=2"]),
     "tp-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
 }
@@ -70,6 +71,20 @@ def test_bf16_mixed_precision_within_measured_bound(layout):
     delta = _max_delta(run["losses"], reference()["losses"])
     assert 0 < delta <= BF16_BOUND  # bf16 really ran (not bit-identical to fp32) and stays close
     assert run["losses"][-1] < run["losses"][0]
+
+
+def test_zero2_mixed_precision_keeps_gradient_shards_in_bf16_between_micro_batches():
+    # The ZeRO paper's stage 2 (2Ψ + 14Ψ/N): 16-bit gradient shards. FSDP2 keeps fp32 ones (the master
+    # weights' dtype); the stash holds them in bf16 until the last micro-batch.
+    cfg = parity_config("parallel.dp_shard=2", "parallel.zero_stage=2", "train.micro_batch=1",
+                        "parallel.mixed_precision=true")
+    out = run_ranks(stash_job, 2, cfg)[0]
+    assert out["has_stash"] and out["grads_after_first"] == 0
+    assert out["stash_dtypes"] == ["torch.bfloat16"]
+    assert out["stash_bytes"] == 2 * out["shard_elements"]  # every parameter's shard, 2 bytes each
+    assert out["stash_grad_dtype"] == out["fp32_grad_dtype"] == "torch.float32"
+    # Rounded to bf16 (8-bit mantissa) once per micro-batch: close to the fp32 sum, but not equal to it.
+    assert 0 < out["relative_difference"] < 1e-2
 
 
 def _rank0_mem(n, *overrides):

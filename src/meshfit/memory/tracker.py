@@ -101,14 +101,21 @@ class _RankTracking:
                               if k != _TOTAL_KEY}
         return out
 
+    _in_window = False  # between __enter__ and __exit__: tensors made now are followed
+
     def __enter__(self) -> Any:
         live = dict(self._device_snap(self._curr_mem_snap))
         self._category_max = dict(live)
         super().__enter__()
+        self._in_window = True
         self._peak_mem = {self.device: _tally(live, self.host)}
         self._peak_mem_snap = {self.device: live}
         self._peak_phase = "setup"
         return self
+
+    def __exit__(self, *args: Any) -> None:
+        self._in_window = False
+        super().__exit__(*args)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Called after every operator. torch's version also refreshes per-module peaks (a loop over all
@@ -139,15 +146,21 @@ class _RankTracking:
                 winfo.reftype = self._ref_class.BUFFER
                 self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
 
-    def claim_gradients(self, params: list[torch.Tensor]) -> None:
-        """File the storages behind these parameters' gradients as gradients.
+    def claim_gradients(self, tensors: list[torch.Tensor]) -> None:
+        """File these parameters' gradients (or these gradient tensors) as gradients.
 
         DDP's gradients are views into its communication buckets (allocated with the model, before any
         step); without this the tracker would report the buckets, which are the gradients, as buffers.
+        ZeRO-2's bf16 gradient stash (parallel/data_parallel.py) is made by plain operators, which the
+        tracker would file as temporaries. Outside the tracker's window this does nothing.
         """
-        for p in params:
-            if p.grad is not None:
-                self._update_and_maybe_create_winfos(p.grad, self._ref_class.GRAD)
+        if not self._in_window:
+            return
+        kind = getattr(self._ref_class, "SHARDED_GRAD", None) or self._ref_class.GRAD
+        for t in tensors:
+            grad = t.grad if isinstance(t, nn.Parameter) else t
+            if grad is not None:
+                self._update_and_maybe_create_winfos(grad, kind)
 
     def over_budget_error(self) -> MemoryBudgetExceeded:
         """The budget error for a device out-of-memory (CUDA enforces the budget itself)."""
@@ -186,9 +199,11 @@ class PipelineMemTracker(RankMemoryTracker):
         self._peak_mem_snap = {self.device: live}
         self._peak_phase = "setup"
         TorchDispatchMode.__enter__(self)
+        self._in_window = True
         return self
 
     def __exit__(self, *args: Any) -> None:
+        self._in_window = False
         self._deregister_param_and_optimizer_hooks()
         self._restore_resize()
         TorchDispatchMode.__exit__(self, *args)

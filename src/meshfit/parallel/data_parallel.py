@@ -8,8 +8,8 @@ What each stage keeps on a rank (N = dp_shard), all sharded state split evenly e
            re-shard until the last      and kept until the last micro-batch's backward; gradients stay full
            micro-batch                  (16-bit) and unsynchronised until then, reduce-scattered once
   stage 2  FSDP2, reshard_after_fwd=F   as stage 1, but gradients are reduce-scattered to 1/N after every
-           + no re-shard until the      micro-batch's backward (fp32 shards under mixed precision)
-           last micro-batch
+           + no re-shard until the      micro-batch's backward (fp32 shards under mixed precision, which wait
+           last micro-batch             in bf16 between micro-batches: GradientStash)
   stage 3  FSDP2, reshard_after_fwd=T   each block gathered just in time in forward and again in backward,
                                         freed right after; gradients reduce-scattered every micro-batch
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.parallel.dims import Meshes, ParallelDims
@@ -96,3 +97,61 @@ def set_micro_batch(model: nn.Module, stage: int, last: bool) -> None:
     if stage <= 1:
         # Stage-0 replicas reduce once per step, as DDP does under no_sync.
         model.set_requires_gradient_sync(last)
+
+
+class GradientStash:
+    """ZeRO-2 under mixed precision: between micro-batches the reduced gradient shards wait in 16 bits.
+
+    FSDP2 keeps a gradient in its sharded parameter's dtype, fp32 here (the shards are the master weights),
+    so accumulating over micro-batches would hold 4 bytes per parameter of the rank's shard where the ZeRO
+    paper's stage 2 (2Ψ + 14Ψ/N) and DeepSpeed hold 2. After every micro-batch but the last the fp32 shards
+    are added into bf16 accumulators and freed, so FSDP's next reduce-scatter starts a new shard; after the
+    last they are added back, tensor by tensor. The sum of the earlier micro-batches is rounded to bf16 once
+    per micro-batch (the rounding DeepSpeed's 16-bit gradients have); the last micro-batch's stays fp32.
+    """
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.acc: dict[nn.Parameter, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def stash(self) -> list[torch.Tensor]:
+        """After a micro-batch that is not the last; returns the accumulators (new or updated)."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            grad = _local(p.grad)
+            if p in self.acc:
+                self.acc[p].add_(grad)  # computed in fp32, rounded into the bf16 accumulator
+            else:
+                self.acc[p] = grad.to(torch.bfloat16)
+            p.grad = None
+        return list(self.acc.values())
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """After the last micro-batch's backward: the stashed sums join the fp32 gradients."""
+        for p, acc in self.acc.items():
+            if p.grad is None:  # a parameter that took no gradient in the last micro-batch
+                p.grad = _as_grad_of(p, acc.float())
+            else:
+                _local(p.grad).add_(acc)
+        self.acc.clear()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _as_grad_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return local
+
+
+def gradient_stash(model: nn.Module, stage: int, mixed_precision: bool, accum_steps: int) -> GradientStash | None:
+    """The stash for layouts that need one: stage 2, mixed precision, more than one micro-batch."""
+    if stage != 2 or not mixed_precision or accum_steps < 2 or not isinstance(model, FSDPModule):
+        return None
+    return GradientStash(list(model.parameters()))

@@ -233,6 +233,11 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     # Stage 1 and stage-0 replicas accumulate full, unreduced gradients until the last micro-batch (in the
     # reduce dtype).
     accumulated = n * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
+    # ZeRO-2 under mixed precision: earlier micro-batches' gradient shards wait in bf16 (GradientStash) until
+    # the last micro-batch's backward has made its fp32 ones, and are added into them after it.
+    g_store = STORAGE_BYTES[workload.precision]
+    stash = grads_full * c_bytes / g_store if (fsdp and stage == 2 and micro > 1 and c_bytes < g_store
+                                               and layout.pp == 1) else 0.0
     if layout.pp > 1:
         per_stage = act_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
@@ -249,7 +254,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         grads_loss = 0.0 if layout.schedule == "gpipe" else grads_full
     else:
         acts = act_mb + head
-        grads_loss = accumulated or (grads_full if micro > 1 else 0.0)
+        grads_loss = stash or accumulated or (grads_full if micro > 1 else 0.0)
         if micro > 1 and layout.tp > 1 and share.last and (kind == "none" or accumulated):
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
             # the accumulated one (plain tensors accumulate in place).
@@ -315,7 +320,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # ... and once its gradients exist, most of the last block's activations are freed.
         "block gradients": (params + gathered, grads_loss + unit_grads, optim,
                             block_acts + recompute - act_mb / max(1, share.layers), buckets),
-        "backward end": (params + (share.root_params * c_bytes if fsdp else 0), grads_full, optim, 0.0, buckets),
+        "backward end": (params + (share.root_params * c_bytes if fsdp else 0), grads_full + stash, optim, 0.0,
+                         buckets),
         # The fused AdamW step updates tensor by tensor in place: no temporaries worth counting.
         "optimizer": (params, grads_full, optim, 0.0, buckets),
     }
@@ -336,22 +342,24 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
                                              # Stage 3 re-shards the root before reducing; stages 1/2 keep
                                              # every unit gathered when later micro-batches reused them.
                                              params + (gathered if keep and micro > 1 else 0.0),
-                                             accumulated, optim, buckets)
+                                             accumulated, optim, buckets, stash)
     return phases
 
 
 def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States, c_bytes: int, params: float,
-                 accumulated: float, optim: float, buckets: float) -> tuple[float, float, float, float, float]:
+                 accumulated: float, optim: float, buckets: float, stash: float
+                 ) -> tuple[float, float, float, float, float]:
     """The end of backward, when the root unit (embeddings, head) reduces its gradients: its unsharded
     gradients, their copy in the reduce dtype and the reduced shard coexist with every block's sharded
     gradients (measured with torch's tracker)."""
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
     blocks_sharded = st.grads * (1 - share.root_params / share.params)
-    grads = accumulated or blocks_sharded + share.root_params * c_bytes
+    grads = accumulated or blocks_sharded + share.root_params * c_bytes + stash
     cast = share.root_params * r_bytes if r_bytes != c_bytes else 0.0
-    # Over a single shard FSDP reduces in place: the copy is the output.
+    # Over a single shard FSDP reduces in place: the copy is the output. A copy in a wider reduce dtype is
+    # made while the compute-dtype gradients live; they are freed before the reduced shard is allocated.
     output = share.root_params * r_bytes / layout.dp_shard if layout.dp_shard > 1 else 0.0
-    return (params, grads, optim, cast + output, buckets)
+    return (params, grads, optim, cast or output, buckets)
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload) -> MemoryEstimate:

@@ -2,8 +2,8 @@
 
 Functions of plain numbers, so that published figures can be reproduced exactly and a planner can reason
 about models far too large to build. They give the idealised quantities of the papers they cite; how
-meshfit's torch building blocks deviate (fp32 gradient shards at stage 2, FSDP2 gathering one block at
-a time) is left to the code that maps a layout onto these functions.
+meshfit's torch building blocks deviate (fp32 master weights as FSDP2's shards, FSDP2 gathering one block
+at a time) is left to the code that maps a layout onto these functions.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from meshfit.memory.meter import MemoryMeter
 from meshfit.memory.tracker import limit_cuda_memory, make_tracker
 from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
-from meshfit.parallel.data_parallel import set_micro_batch
+from meshfit.parallel.data_parallel import GradientStash, gradient_stash, set_micro_batch
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
@@ -67,6 +67,7 @@ class Run:
     launch_steps: int = 0  # optimizer steps taken by this process (dry runs included)
     history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
     meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
+    stash: GradientStash | None = None  # ZeRO-2 under mixed precision with gradient accumulation
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
@@ -100,7 +101,9 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
     return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.train), batches=batches, tracker=tracker,
                flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
-               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter)
+               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter,
+               stash=None if pipe else gradient_stash(model, shape.zero_stage, shape.mixed_precision,
+                                                      shape.accum_steps))
 
 
 def _meter(cfg: Config, env: RankEnv, tracker: Any) -> MemoryMeter:
@@ -136,6 +139,11 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
             (loss / run.shape.accum_steps).backward()
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
+    if run.stash is not None:
+        if not sync:
+            run.tracker.claim_gradients(run.stash.stash())
+        else:
+            run.stash.merge()
     return loss.detach()
 
 
