@@ -47,7 +47,7 @@ def test_every_layout_kind_is_evaluated_and_ranked(plan_70b):
     assert {lay.activation_checkpointing for lay in layouts} == set(AC_MODES) - {"attention"}
     assert any(lay.offload for lay in layouts) and any(lay.sp for lay in layouts)
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # within a node, dividing the 8 KV heads
-    usable = usable_bytes(H100_64.gpu.memory_bytes)
+    usable = usable_bytes(H100_64.gpu)
     fitting = plan_70b.fitting
     assert fitting and all(c.memory.total <= usable for c in fitting)
     assert all(c.memory.total > usable for c in plan_70b.candidates if not c.fits)

@@ -19,6 +19,8 @@ examples:
   meshfit plan --model llama3-70b --nodes 8 --seq-len 8192 --explain
   meshfit plan --model llama3-8b --layout dp_shard=8,zero_stage=3 --out plan.json
   meshfit verify --model llama3-8b --layout dp_shard=64,zero_stage=3 --seq-len 2048
+  meshfit calibrate --nproc 2 --out hw.json        measure this machine for the planner
+  meshfit plan --model small --gpu cpu --gpu-memory 80MiB --gpus-per-node 2 --hardware hw.json
   meshfit train --plan plan.json --nproc 8         run a plan (here: 8 local ranks)
   meshfit train --set model.preset=small --nproc 2 --set parallel.dp_replicate=2
   meshfit train --config run.toml --set train.steps=100 --run-dir runs/exp1
@@ -87,6 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
     demo.add_argument("--nproc", type=positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's output in --run-dir")
+    cal = sub.add_parser("calibrate", help="measure this machine's compute, memory and collective rates for "
+                         "`meshfit plan --hardware`")
+    cal.add_argument("--nproc", type=positive_int, default=2, metavar="N",
+                     help="local ranks that measure at once, as training's would (default 2)")
+    cal.add_argument("--out", type=Path, metavar="FILE", help="write the profile (JSON) here (default: print it)")
+    cal.add_argument("--dim", type=positive_int, metavar="H",
+                     help="hidden size of the measured matmuls and attention (default 512 on CPU, 4096 on GPU)")
+    cal.add_argument("--model", metavar="PRESET|config.json",
+                     help="also measure this model's own training rate (its first two blocks, embeddings, head "
+                          "and loss), which the planner then uses for compute; sets --dim")
+    cal.add_argument("--seq-len", type=positive_int, default=None, metavar="S",
+                     help="sequence length for --model (default 2048; 256 on CPU)")
+    cal.add_argument("--quick", action="store_true", help="shorter measurements (about a third of the time)")
+    cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     show = sub.add_parser("show", help="summary table and plots (loss, tokens/s, per-rank memory) of runs")
     show.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories of meshfit train")
     show.add_argument("--out", type=Path, metavar="DIR", help="folder for the PNG plots (default: the run "
@@ -203,6 +219,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.run_dir or _default_run_dir("demo"), nproc=args.nproc, overwrite=args.overwrite)
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    out = args.out
+    if out is not None:
+        if out.is_dir():
+            print(f"error: --out {out} is a directory; expected a file name such as {out / 'hardware.json'}",
+                  file=sys.stderr)
+            return 2
+        if out.exists() and not args.overwrite:
+            print(f"error: --out {out} exists: replace it with --overwrite or choose another file", file=sys.stderr)
+            return 2
+        if not out.parent.is_dir():
+            print(f"error: --out {out}: the folder {out.parent} does not exist", file=sys.stderr)
+            return 2
+    model = None
+    if args.model:
+        from meshfit.plan_cli import PlanInputError, resolve_model
+
+        try:
+            model = resolve_model(args.model, "")[1]
+        except PlanInputError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    from meshfit.calibrate import calibrate
+    from meshfit.planner.profile import save_profile
+
+    import torch
+
+    seq = args.seq_len or (2048 if torch.cuda.is_available() else 256)
+    print(f"calibrating on {args.nproc} local rank(s)…", file=sys.stderr)
+    profile = calibrate(args.nproc, dim=args.dim, quick=args.quick, model=model, seq=seq)
+    if out is None:
+        print(profile.model_dump_json(indent=2))
+    else:
+        save_profile(profile, out)
+        print(f"wrote {out} ({profile.seconds:.0f} s of measurement); use it with "
+              f"`meshfit plan --hardware {out}`", file=sys.stderr)
+    return 0
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     from meshfit.show import ShowError, show
 
@@ -216,7 +271,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     commands = {"train": _cmd_train, "plan": _cmd_plan, "verify": _cmd_verify, "export": _cmd_export,
-                "demo": _cmd_demo, "show": _cmd_show}
+                "demo": _cmd_demo, "show": _cmd_show, "calibrate": _cmd_calibrate}
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
         print(f"error: unknown command {argv[0]!r}; {did_you_mean(argv[0], commands)}commands: "

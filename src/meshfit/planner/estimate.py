@@ -29,6 +29,7 @@ from meshfit.planner.activations import (
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
+from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
@@ -36,13 +37,12 @@ from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 # (weight, gradient, {optimizer: state}) bytes per parameter as meshfit keeps them. Mixed precision keeps
 # fp32 master weights, fp32 gradients (reduced in fp32) and fp32 states; bf16 copies exist only for compute.
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
-# Fraction of a device's memory the planner lets tensors use: the CUDA context, NCCL buffers and the caching
-# allocator's fragmentation take the rest (a few GiB on an 80 GiB part).
-ALLOCATOR_HEADROOM = 0.08
 
 
-def usable_bytes(device_bytes: int) -> float:
-    return device_bytes * (1 - ALLOCATOR_HEADROOM)
+def usable_bytes(gpu: GPU) -> float:
+    """The bytes of ``gpu``'s memory tensors can use: the CUDA context, NCCL buffers and the caching
+    allocator's fragmentation take the rest (GPU.allocator_headroom; none for CPU ranks' budgets)."""
+    return gpu.memory_bytes * (1 - gpu.allocator_headroom)
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,6 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
 
 def explain(plan: Plan) -> str:
     """The plain-language answer to "which techniques should we use?" for ``plan``'s model and cluster."""
-    usable = usable_bytes(plan.cluster.gpu.memory_bytes)
+    usable = usable_bytes(plan.cluster.gpu)
     return "\n".join(_states_section(plan, usable) + _technique_section(plan, usable) + _recommendation(plan, usable))
 

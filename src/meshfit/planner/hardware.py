@@ -20,9 +20,14 @@ Conventions:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshfit.names import did_you_mean
+
+if TYPE_CHECKING:
+    from meshfit.planner.profile import HardwareProfile
 
 _GiB = 2**30
 _T = 1e12  # TFLOP/s and TB/s
@@ -48,6 +53,13 @@ class GPU:
     hbm_bytes_per_s: float
     intra_node_bytes_per_s: float  # to the other GPUs of the node, per GPU, one direction
     inter_node_bytes_per_s: float  # to other nodes, per GPU, one direction
+    # Measured rates (`meshfit calibrate`): the time model then uses them instead of the peaks above
+    # and its efficiency constants.
+    profile: HardwareProfile | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Share of the memory the CUDA context, NCCL buffers and the caching allocator's fragmentation keep
+    # from tensors (a few GiB on an 80 GiB part). CPU ranks have none: their budget is compared with
+    # tracked tensor bytes (train.memory_budget).
+    allocator_headroom: float = 0.08
 
 
 _CATALOG: tuple[GPU, ...] = (
@@ -84,6 +96,21 @@ _CATALOG: tuple[GPU, ...] = (
 )
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in _CATALOG}
+
+
+CPU = "cpu"
+
+
+def cpu_device(memory_bytes: int, profile: HardwareProfile) -> GPU:
+    """CPU ranks as `meshfit train` runs them: ``memory_bytes`` is the per-rank budget, the rates measured."""
+    return dataclasses.replace(device_from_profile(profile, memory_bytes), name=CPU, allocator_headroom=0.0)
+
+
+def device_from_profile(profile: HardwareProfile, memory_bytes: int) -> GPU:
+    """A device whose rates are those ``profile`` measured (peaks = measured rates, no efficiency)."""
+    ar = max(profile.collectives.items())[1]["all_reduce"].bus_bytes_per_s if profile.collectives else 1.0
+    return GPU(f"{profile.device_name} (calibrated)", memory_bytes, profile.flops("bf16"), profile.flops("fp32"),
+               profile.elementwise_bytes_per_s, ar, ar, profile=profile)
 
 
 def _key(name: str) -> str:

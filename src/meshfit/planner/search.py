@@ -14,7 +14,7 @@ from typing import Any
 
 from meshfit.models.config import ModelConfig, num_params
 from meshfit.planner.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
-from meshfit.planner.hardware import Cluster
+from meshfit.planner.hardware import CPU, Cluster
 from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.layout import Layout, Workload
@@ -70,7 +70,8 @@ class Plan:
             "model": {"name": self.model_name, "params": num_params(self.model), **self.model.__dict__},
             "cluster": {"gpu": gpu.name, "nodes": self.cluster.nodes, "gpus_per_node": self.cluster.gpus_per_node,
                         "world_size": self.cluster.world_size, "memory_bytes": gpu.memory_bytes,
-                        "usable_bytes": int(usable_bytes(gpu.memory_bytes))},
+                        "usable_bytes": int(usable_bytes(gpu)),
+                        "rates": "measured (--hardware)" if gpu.profile is not None else "datasheet"},
             "workload": self.workload.__dict__,
             "evaluated": len(self.candidates), "fitting": len(self.fitting),
             "candidates": [c.to_json() for c in chosen],
@@ -127,6 +128,8 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
                       ) -> Iterator[Layout]:
     """Every layout of ``cluster.world_size`` ranks that meshfit can train for this model and workload."""
     world = cluster.world_size
+    # CPU ranks keep everything in host memory already: offloading to it moves nothing.
+    offloads = cluster.gpu.name != CPU
     acs = (activation_checkpointing,) if activation_checkpointing else AC_MODES
     if not activation_checkpointing and workload.attention == "flash":
         # The fused kernel keeps only its statistics: recomputing its core saves nothing and costs time.
@@ -144,7 +147,7 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
                     continue
                 for schedule, virtual in _pipelines(model, pp, local // mb):
                     for rep, shard, stage in _data_parallel(dp):
-                        for offload in ((False, True) if stage >= 2 else (False,)):
+                        for offload in ((False, True) if stage >= 2 and offloads else (False,)):
                             if dp == 1 and stage == 3 and not offload:
                                 continue
                             for ac in acs:
@@ -175,7 +178,7 @@ def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cl
         raise ValueError(error.replace("parallel.tp", "layout tp"))
     time = step_time(model, layout, workload, cluster)
     memory = estimate_memory(model, layout, workload)
-    usable = usable_bytes(cluster.gpu.memory_bytes)
+    usable = usable_bytes(cluster.gpu)
     return Candidate(layout, memory, time, memory.total <= usable, usable)
 
 
@@ -183,7 +186,7 @@ def search(model: ModelConfig, workload: Workload, cluster: Cluster, *, model_na
            activation_checkpointing: str | None = None, micro_batch: int | None = None) -> Plan:
     """Evaluate every layout and rank them: fitting ones by tokens/s, then the others by memory."""
     workload.check()
-    usable = usable_bytes(cluster.gpu.memory_bytes)
+    usable = usable_bytes(cluster.gpu)
     candidates = []
     for layout in enumerate_layouts(model, workload, cluster, activation_checkpointing=activation_checkpointing,
                                     micro_batch=micro_batch):

@@ -133,9 +133,12 @@ def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_c
     return sum(counts[s] for s in worst), 0 in worst, last in worst
 
 
-def _link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
-    """(bytes/s per GPU, latency per hop) of a group of ``size`` ranks ``stride`` apart in rank order."""
+def _link(cluster: Cluster, stride: int, size: int, op: str = "all_reduce") -> tuple[float, float]:
+    """(bytes/s per GPU, latency per hop) of ``op`` over ``size`` ranks ``stride`` apart in rank order: the
+    calibrated rates when the device has a profile, else the datasheet link at COLLECTIVE_BW_EFFICIENCY."""
     gpu = cluster.gpu
+    if gpu.profile is not None and gpu.profile.collectives:
+        return gpu.profile.link(size, op)
     if stride * size > cluster.gpus_per_node:
         return gpu.inter_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTER_S
     return gpu.intra_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTRA_S
@@ -154,7 +157,7 @@ def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: in
     """Tensor-parallel collective seconds of one micro-batch on the bottleneck rank."""
     tp = layout.tp
     blocks, has_embed, has_head = rank
-    link = _link(cluster, 1, tp)
+    link = _link(cluster, 1, tp, "all_reduce")
     per_block = 6 if layout.activation_checkpointing == "full" else 4  # all-reduce equivalents
     # Embedding (vocab-parallel rows): one reduction in forward (a reduce-scatter with SP, except GPT's,
     # whose learned positions are added to the full sequence). Head (vocab-parallel columns): its input
@@ -163,7 +166,7 @@ def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: in
     n_ar = blocks * per_block + embed * has_embed + has_head
     t = n_ar * _ring(tp, mb_tokens * model.dim * cbytes, link, phases=2)
     if has_head and not layout.loss_parallel:  # vocab-sharded logits are gathered for the loss
-        t += _ring(tp, mb_tokens * model.padded_vocab * cbytes, link)
+        t += _ring(tp, mb_tokens * model.padded_vocab * cbytes, _link(cluster, 1, tp, "all_gather"))
     return t
 
 
@@ -186,14 +189,16 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
     if kind in ("none", "ddp"):
         grads = rank_params * sbytes
         backward_last = ((compute_s - recompute_s) * 2.0 / 3.0 + recompute_s) / m
-        t = _ring(layout.dp, grads, _link(cluster, tp, layout.dp), 2, math.ceil(grads / DDP_BUCKET_BYTES))
+        t = _ring(layout.dp, grads, _link(cluster, tp, layout.dp, "all_reduce"), 2,
+                  math.ceil(grads / DDP_BUCKET_BYTES))
         return max(0.0, t - overlap * backward_last), 0, 0
     calls = blocks + 1  # one gather/reduction per block plus the root module (embeddings, norm, head)
-    shard_link = _link(cluster, tp, shard)
-    gather = _ring(shard, rank_params * cbytes, shard_link, calls=calls) if kind == "fsdp" else 0.0
+    gather = (_ring(shard, rank_params * cbytes, _link(cluster, tp, shard, "all_gather"), calls=calls)
+              if kind == "fsdp" else 0.0)
     rbytes = cbytes if layout.zero_stage == 1 else sbytes
-    reduce = (_ring(shard, rank_params * rbytes, shard_link, calls=calls)
-              + _ring(replicate, rank_params * rbytes / shard, _link(cluster, tp * shard, replicate), 2, calls))
+    reduce = (_ring(shard, rank_params * rbytes, _link(cluster, tp, shard, "reduce_scatter"), calls=calls)
+              + _ring(replicate, rank_params * rbytes / shard, _link(cluster, tp * shard, replicate, "all_reduce"), 2,
+                      calls))
     if layout.pp == 1:
         gathers = 2 * m if layout.zero_stage in (0, 3) else 1
         reductions = 1 if layout.zero_stage <= 1 else m
@@ -230,15 +235,21 @@ def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: flo
 
 
 def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cluster, *,
-              efficiency: float = EFFICIENCY, dp_overlap: float = DP_OVERLAP) -> StepTime:
+              efficiency: float | None = None, dp_overlap: float | None = None) -> StepTime:
     """Predicted time of one optimizer step of ``workload`` under ``layout`` on ``cluster``.
 
-    ``efficiency``: achievable fraction of the peak FLOP/s. ``dp_overlap``: fraction of the compute that
-    hides data-parallel communication and offload copies (0 exposes all of it). The layout and workload
+    ``efficiency``: achievable fraction of the peak FLOP/s (default EFFICIENCY; 1 with a calibrated device,
+    whose rates are measured). ``dp_overlap``: fraction of the compute that hides data-parallel
+    communication and offload copies (0 exposes all of it; default DP_OVERLAP, or the calibrated overlap). The layout and workload
     are assumed to pass their own ``check()``; raises ValueError when the layout's world size differs
     from the cluster's, when the batch does not split into the layout's micro-batches, or when the
     pipeline has more stages than the model has layers.
     """
+    prof = cluster.gpu.profile
+    if efficiency is None:
+        efficiency = 1.0 if prof is not None else EFFICIENCY
+    if dp_overlap is None:
+        dp_overlap = prof.overlap if prof is not None else DP_OVERLAP
     local, m = _check(layout, workload, cluster, efficiency, dp_overlap)
     model = pad_vocab_for_tp(model, layout.tp)  # as training builds it
     precision, s, tp, pp = workload.precision, workload.seq_len, layout.tp, layout.pp
@@ -263,9 +274,16 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     redo_core = (1.0 if ac == "attention" else rerun) * core_r
     slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
     rate = peak * efficiency
+    # A calibrated device has its own (fused) attention rate; the datasheet model runs attention at the
+    # matmul rate.
+    attn_rate = prof.flops(precision, attention=True) * efficiency if prof is not None else rate
     tokens = local * s  # tokens of this rank's sequences per step
-    compute_s = tokens * (fpt * share / tp + redo + slow * (3.0 * core_r + redo_core)) / rate
-    recompute_s = tokens * (redo + slow * redo_core) / rate
+
+    def seconds(flops: float, core: float) -> float:  # matmul FLOPs (attention core included) per token
+        return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
+
+    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core)
+    recompute_s = seconds(redo, redo_core)
 
     mb_tokens = layout.micro_batch * s
     tp_comm_s = m * _tp_comm(model, layout, cluster, mb_tokens, cbytes, rank) if tp > 1 else 0.0
@@ -282,7 +300,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         bubble_s = factor * (compute_s + tp_comm_s)
         # Each micro-batch's activation goes forward and its gradient back across each of the rank's
         # stages; with SP the residual stream between blocks is sequence-sharded.
-        bw, alpha = _link(cluster, tp * layout.dp, pp)
+        bw, alpha = _link(cluster, tp * layout.dp, pp, "send_recv")
         send = mb_tokens * model.dim * cbytes / (tp if layout.sp else 1)
         pp_comm_s = 2 * m * virtual * (alpha + send / bw)
 
@@ -297,7 +315,8 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         offload_s = max(0.0, copies - dp_overlap * compute_s) + step_bytes / HOST_MEM_BYTES_PER_S
         optimizer_s = 0.0
     else:
-        optimizer_s = step_bytes / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
+        bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
+        optimizer_s = step_bytes / bandwidth
 
     total = compute_s + tp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
     tokens_per_s = workload.tokens / total

@@ -68,6 +68,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rank_threads(nproc: int) -> int:
+    """Intra-op threads per local rank: ranks share the cores (without this each would start one thread
+    per core and oversubscribe them); OMP_NUM_THREADS, when set, decides."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else max(1, (os.cpu_count() or 1) // nproc)
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
@@ -129,8 +136,7 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # Ranks share the cores: without this each would start one thread per core and oversubscribe them.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(nproc)))
     # torch's elastic agent logs its own view of every shutdown (e.g. "Received 2 death signal"); the
     # outcome is reported once, from the ranks' reports. Its loggers set their own levels: quiet each.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:

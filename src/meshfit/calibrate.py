@@ -1,0 +1,328 @@
+"""`meshfit calibrate`: measure this machine's rates for the planner's time model (planner/profile.py).
+
+Every rank measures at once (on a CPU the ranks share the cores, as training's ranks do, with the same
+intra-op threads the launcher gives them): matmuls at a transformer block's shapes (forward and both
+backward products) per dtype, fused causal attention forward + backward, the fused AdamW step's memory
+traffic, the collectives meshfit uses per group size (large messages for bus bandwidth, small ones for
+latency), how much of an all-reduce a concurrent matmul hides, and on CUDA pinned host↔device copies.
+The slowest rank's compute rates are kept (it sets the step's pace).
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from meshfit.planner.profile import COLLECTIVES, DTYPES, HardwareProfile
+from meshfit.units import fmt_bytes
+
+# Per measurement: repeat until this many seconds have passed (at least MIN_REPS calls, after one warm-up).
+TARGET_S = {"full": 0.4, "quick": 0.12}
+MIN_REPS = 3
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: Any, target_s: float) -> float:
+    """Median seconds per call of ``fn``."""
+    fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < MIN_REPS or time.perf_counter() - start < target_s:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _timed_together(fn: Callable[[], Any], device: Any, target_s: float, group: Any = None) -> float:
+    """``_timed`` for collectives: every rank of ``group`` must make the same number of calls, so the count
+    follows from the slowest rank's first call."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+    reps = max(MIN_REPS, min(200, int(target_s / max(float(first), 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_rate(device: Any, dtype: Any, dim: int, tokens: int, target_s: float) -> float:
+    """FLOP/s over a block's products: x·W, its input gradient and its weight gradient, for W of h×3h
+    (attention projections) and h×4h (MLP)."""
+    import torch
+
+    flops, seconds = 0.0, 0.0
+    for width in (3 * dim, 4 * dim):
+        x = torch.randn(tokens, dim, device=device, dtype=dtype)
+        w = torch.randn(dim, width, device=device, dtype=dtype)
+        g = torch.randn(tokens, width, device=device, dtype=dtype)
+        for fn in (lambda: x @ w, lambda: g @ w.T, lambda: x.T @ g):
+            seconds += _timed(fn, device, target_s / 6)
+            flops += 2.0 * tokens * dim * width
+    return flops / seconds
+
+
+def _attention_rate(device: Any, dtype: Any, dim: int, seq: int, target_s: float) -> float:
+    """FLOP/s of fused causal attention forward + backward, counted as the planner counts it: 12·s·h per
+    token (the scores and the weighted sum over every key position, forward and backward)."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, batch = max(1, dim // 64), 2
+    q, k, v = (torch.randn(batch, heads, seq, dim // heads, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    return 12.0 * seq * dim * batch * seq / _timed(step, device, target_s)
+
+
+def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, target_s: float) -> float:
+    """Training FLOP/s (flops_per_token's count) of meshfit's own model code, forward + loss + backward,
+    on at most two of ``model``'s blocks: what matmuls alone do not show (norms, activations, rotary
+    embeddings, the loss, per-operator overhead) at this model's shapes."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    from meshfit.models import build_model, flops_per_token
+
+    cfg = dataclasses.replace(model, n_layers=min(2, model.n_layers), max_seq_len=max(seq, model.max_seq_len),
+                              dropout=0.0)
+    net = build_model(cfg, device).to(dtype)
+    batch = max(1, tokens // seq)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+
+    def step() -> None:
+        logits = net(x)
+        F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+
+    return flops_per_token(cfg, seq) * batch * seq / _timed(step, device, target_s)
+
+
+def _optimizer_rate(device: Any, numel: int, target_s: float) -> float:
+    """Bytes/s of the fused AdamW step, counted as the planner counts it: weights, gradients and both
+    moments read and written (32 bytes per fp32 parameter)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(numel, device=device))
+    p.grad = torch.randn(numel, device=device)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    return 32.0 * numel / _timed(opt.step, device, target_s)
+
+
+def _collective(op: str, group: Any, rank: int, size: int, nbytes: int, device: Any, target_s: float) -> float:
+    """Seconds per call of ``op`` over ``group`` for a buffer of ``nbytes`` (the whole gathered / reduced
+    buffer; send/recv: one message each way, halved)."""
+    import torch
+    import torch.distributed as dist
+
+    n = max(size, nbytes // 4 // size * size)
+    full = torch.ones(n, device=device)
+    part = torch.ones(n // size, device=device)
+    if op == "all_reduce":
+        fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
+    elif op == "all_gather":
+        fn = lambda: dist.all_gather_into_tensor(full, part, group=group)  # noqa: E731
+    elif op == "reduce_scatter":
+        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor` is deprecated")  # FSDP2's call
+        fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731
+    else:
+        peer = 1 - rank
+
+        def fn() -> None:  # ping-pong between the group's first two ranks
+            if rank == 0:
+                dist.send(full, peer, group=group)
+                dist.recv(full, peer, group=group)
+            else:
+                dist.recv(full, peer, group=group)
+                dist.send(full, peer, group=group)
+    dist.barrier(group=group)
+    seconds = _timed_together(fn, device, target_s, group)
+    return seconds / 2 if op == "send_recv" else seconds
+
+
+# Bytes each rank moves per byte of the buffer (nccl-tests' bus bandwidth), and ring hops per call.
+def _bus_factor(op: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
+
+
+def _hops(op: str, n: int) -> int:
+    return {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(op, n - 1)
+
+
+def group_sizes(world: int) -> list[int]:
+    """Group sizes to measure: powers of two up to the world, and the world."""
+    sizes = {world} if world > 1 else set()
+    n = 2
+    while n < world:
+        sizes.add(n)
+        n *= 2
+    return sorted(sizes)
+
+
+def _collectives(device: Any, big: int, small: int, target_s: float, say: Callable[[str], None]
+                 ) -> dict[int, dict[str, dict[str, float]]]:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if device.type == "cuda" else None
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    pair = dist.new_group([0, 1], backend=backend)  # every rank takes part in new_group
+    for size in group_sizes(world):
+        group = dist.new_group(list(range(size)), backend=backend)
+        results: dict[str, dict[str, float]] = {}
+        for op in COLLECTIVES:
+            grp, n = (pair, 2) if op == "send_recv" else (group, size)
+            if rank >= n:
+                continue
+            t_big = _collective(op, grp, rank, n, big, device, target_s)
+            t_small = _collective(op, grp, rank, n, small, device, target_s)
+            bus = _bus_factor(op, n) * big / t_big
+            latency = max(0.0, t_small - _bus_factor(op, n) * small / bus) / _hops(op, n)
+            results[op] = {"bus_bytes_per_s": bus, "latency_s": latency}
+            say(f"{op} over {size} ranks: {bus / 1e9:.2f} GB/s bus, {latency * 1e6:.0f} µs per hop")
+        dist.barrier()
+        out[size] = results
+    return out
+
+
+def _overlap(device: Any, dim: int, tokens: int, nbytes: int, target_s: float) -> float:
+    """Share of a matmul loop's time that hides a concurrent all-reduce: (t_comm + t_compute − t_both) /
+    t_compute, with the all-reduce sized to last about as long as the compute."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.randn(tokens, dim, device=device)
+    w = torch.randn(dim, 4 * dim, device=device)
+    buf = torch.ones(max(1, nbytes // 4), device=device)
+    compute = lambda: [x @ w for _ in range(4)]  # noqa: E731
+    t_c = _timed(compute, device, target_s)
+    t_a = _timed_together(lambda: dist.all_reduce(buf), device, target_s)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t_b = _timed_together(both, device, target_s)
+    return min(1.0, max(0.0, (t_a + t_c - t_b) / t_c))
+
+
+def measure_rank(threads: int, dim: int, quick: bool, model: Any = None, seq: int = 0) -> dict[str, Any]:
+    """One rank's measurements (the process group is up); rank 0 prints progress."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    target = TARGET_S["quick" if quick else "full"]
+    start = time.perf_counter()
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(f"[{time.perf_counter() - start:5.1f}s] {text}", file=sys.stderr, flush=True)
+
+    tokens = 4 * dim if device.type == "cpu" else 2 * dim
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    out: dict[str, Any] = {"matmul_flops": {}, "attention_flops": {}}
+    for name in DTYPES:
+        dist.barrier()
+        out["matmul_flops"][name] = _matmul_rate(device, dtypes[name], dim, tokens, 3 * target)
+        say(f"matmul {name} at dim {dim}: {out['matmul_flops'][name] / 1e9:.1f} GFLOP/s per rank")
+        dist.barrier()
+        out["attention_flops"][name] = _attention_rate(device, dtypes[name], dim, min(tokens, 1024), 2 * target)
+        say(f"attention {name}: {out['attention_flops'][name] / 1e9:.1f} GFLOP/s per rank")
+        if model is not None:
+            dist.barrier()
+            out.setdefault("model_flops", {})[name] = _model_rate(device, dtypes[name], model, seq, tokens,
+                                                                  3 * target)
+            say(f"model {name} (seq {seq}): {out['model_flops'][name] / 1e9:.1f} GFLOP/s per rank, training")
+    dist.barrier()
+    numel = (1 << 22) if device.type == "cpu" else (1 << 26)
+    out["elementwise_bytes_per_s"] = _optimizer_rate(device, numel, 2 * target)
+    say(f"fused AdamW step: {out['elementwise_bytes_per_s'] / 1e9:.1f} GB/s per rank")
+    big, small = ((8 << 20), 4096) if device.type == "cpu" else ((256 << 20), 8192)
+    if quick:
+        big //= 4
+    out["collectives"] = _collectives(device, big, small, target, say) if world > 1 else {}
+    if world > 1:
+        out["overlap"] = _overlap(device, dim, tokens, big, 2 * target)
+        say(f"all-reduce hidden behind a concurrent matmul: {out['overlap']:.0%}")
+    if cuda:
+        host = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
+        dev_buf = torch.empty_like(host, device=device)
+        out["host_device_bytes_per_s"] = host.numel() / _timed(lambda: dev_buf.copy_(host, non_blocking=True),
+                                                               device, target)
+        say(f"host → device: {fmt_bytes(out['host_device_bytes_per_s'])}/s")
+        out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    out["device_name"] = torch.cuda.get_device_name(device) if cuda else _cpu_name()
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Any = None,
+              seq: int = 0) -> HardwareProfile:
+    """Measure on ``nproc`` local ranks (gloo on CPU; NCCL among the GPUs when CUDA is present); with
+    ``model`` (a ModelConfig) and ``seq`` also its own training rate at that sequence length."""
+    import torch
+
+    from meshfit.testing import run_ranks
+    from meshfit.train.launch import rank_threads
+
+    cuda = torch.cuda.is_available()
+    dim = dim or (model.dim if model is not None else (4096 if cuda else 512))
+    threads = rank_threads(nproc)
+    ranks = run_ranks(measure_rank, nproc, threads, dim, quick, model, seq, timeout_s=600.0)
+    first = ranks[0]
+    keys = ("matmul_flops", "attention_flops") + (("model_flops",) if model is not None else ())
+    slowest = {key: {d: min(r[key][d] for r in ranks) for d in DTYPES} for key in keys}
+    return HardwareProfile(
+        device="cuda" if cuda else "cpu", device_name=first["device_name"], backend="nccl" if cuda else "gloo",
+        ranks=nproc, threads_per_rank=threads, memory_bytes=first.get("memory_bytes"),
+        matmul_flops=slowest["matmul_flops"], attention_flops=slowest["attention_flops"],
+        model_flops=slowest.get("model_flops", {}), seq=seq if model is not None else 0,
+        elementwise_bytes_per_s=min(r["elementwise_bytes_per_s"] for r in ranks),
+        collectives=first["collectives"], overlap=first.get("overlap", 0.0),
+        host_device_bytes_per_s=first.get("host_device_bytes_per_s"), torch=torch.__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        seconds=max(r["seconds"] for r in ranks), dim=dim)

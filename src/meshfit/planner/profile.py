@@ -1,0 +1,110 @@
+"""Hardware profile: what `meshfit calibrate` measured on a machine, in place of datasheet peaks.
+
+A profile is a JSON file (format below) that `meshfit plan --hardware FILE` reads. Every rate is what
+one rank reached while all ranks of the calibration worked at once (on a CPU the ranks share the cores,
+as training's ranks do), so the planner uses it as is: no efficiency factor on top.
+
+    {
+      "format": "meshfit-hardware-profile/1",
+      "device": "cpu" | "cuda", "device_name": "...", "backend": "gloo" | "nccl",
+      "ranks": 2, "threads_per_rank": 1, "dim": 512, "memory_bytes": null | bytes of one device,
+      "matmul_flops": {"fp32": FLOP/s, "bf16": FLOP/s},        # x @ W at transformer shapes
+      "attention_flops": {"fp32": FLOP/s, "bf16": FLOP/s},     # fused causal attention, forward + backward,
+                                                              # counted as 12·s·h FLOPs per token (as planned)
+      "model_flops": {"fp32": FLOP/s, "bf16": FLOP/s}, "seq": 256,  # optional (calibrate --model): the model's
+                                                              # own forward + loss + backward at dim and seq
+      "elementwise_bytes_per_s": bytes/s,                     # the fused AdamW step's reads + writes
+      "collectives": {"2": {"all_reduce": {"bus_bytes_per_s": .., "latency_s": ..},
+                            "all_gather": {...}, "reduce_scatter": {...}, "send_recv": {...}}, "4": ...},
+      "overlap": 0..1,                                        # share of a collective hidden by compute
+      "host_device_bytes_per_s": null | bytes/s,              # pinned copies (CUDA only)
+      "torch": "2.13.0", "created": "2026-12-03T16:00:00Z", "seconds": 41.2
+    }
+
+Bus bandwidth is nccl-tests' convention: all-reduce moves 2(n−1)/n of the buffer per rank, all-gather and
+reduce-scatter (n−1)/n of the whole buffer, send/recv the buffer; latency is the per-hop cost of a small
+message (a ring all-reduce has 2(n−1) hops, all-gather and reduce-scatter n−1, send/recv one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from meshfit.jsonfile import read_json_object
+
+FORMAT = "meshfit-hardware-profile/1"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+DTYPES = ("fp32", "bf16")
+
+
+class Link(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    bus_bytes_per_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class HardwareProfile(BaseModel):
+    """One machine's measured rates (see the module notes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    format: Literal["meshfit-hardware-profile/1"] = FORMAT
+    device: Literal["cpu", "cuda"]
+    device_name: str
+    backend: Literal["gloo", "nccl"]
+    ranks: int = Field(ge=1)
+    threads_per_rank: int = Field(ge=1)
+    dim: int = Field(default=0, ge=0)  # the hidden size the matmuls and attention were measured at
+    memory_bytes: int | None = Field(default=None, gt=0)
+    matmul_flops: dict[Literal["fp32", "bf16"], float]
+    attention_flops: dict[Literal["fp32", "bf16"], float]
+    # meshfit's own model (its first blocks, embeddings, head, loss) trained at `dim` and `seq`: FLOP/s by
+    # flops_per_token's count, so element-wise work and per-operator overhead are in it. Optional.
+    model_flops: dict[Literal["fp32", "bf16"], float] = {}
+    seq: int = Field(default=0, ge=0)
+    elementwise_bytes_per_s: float = Field(gt=0)
+    collectives: dict[int, dict[Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"], Link]] = {}
+    overlap: float = Field(default=0.0, ge=0, le=1)
+    host_device_bytes_per_s: float | None = Field(default=None, gt=0)
+    torch: str = ""
+    created: str = ""
+    seconds: float = 0.0
+
+    def flops(self, precision: str, attention: bool = False) -> float:
+        """Measured FLOP/s for a planner precision ("fp32" computes in fp32, "mixed"/"bf16" in bf16): the
+        model's training rate when calibrated with one (attention included), else the matmul or attention
+        kernel rate."""
+        key = "fp32" if precision == "fp32" else "bf16"
+        if self.model_flops:
+            return self.model_flops[key]
+        return (self.attention_flops if attention else self.matmul_flops)[key]
+
+    def link(self, size: int, op: str) -> tuple[float, float]:
+        """(bus bytes/s, latency per hop) of ``op`` over ``size`` ranks: the measured group size, else the
+        nearest measured one (larger groups than the calibration had keep its largest group's rates)."""
+        if not self.collectives:
+            raise ValueError("the hardware profile has no collective measurements (calibrated on one rank); "
+                             "run `meshfit calibrate --nproc N` with N ≥ 2")
+        nearest = min(self.collectives, key=lambda n: (abs(n - size), -n))
+        entry = self.collectives[nearest][op]  # type: ignore[index]
+        return entry.bus_bytes_per_s, entry.latency_s
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """The profile in ``path``; ValueError naming the file and the first bad field."""
+    doc = read_json_object(path, "hardware profile", "write one with `meshfit calibrate --out FILE`")
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a meshfit hardware profile (expected \"format\": \"{FORMAT}\"; "
+                         "write one with `meshfit calibrate --out FILE`)")
+    try:
+        return HardwareProfile.model_validate(doc)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"{path}: {where}: {err['msg']}") from None
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    Path(path).write_text(profile.model_dump_json(indent=2) + "\n")

@@ -1,0 +1,102 @@
+"""Hardware profiles (`meshfit calibrate`, `meshfit plan --hardware`, `--gpu cpu`) and the time model on
+measured rates: known answers, orderings, a calibration round trip on real ranks."""
+
+import json
+import math
+
+import pytest
+
+from meshfit.cli import main
+from meshfit.models.config import flops_per_token, num_params
+from meshfit.models.presets import get_preset
+from meshfit.planner.hardware import Cluster, cpu_device
+from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.profile import HardwareProfile, Link, load_profile, save_profile
+from meshfit.planner.timing import DDP_BUCKET_BYTES, step_time
+
+TINY = get_preset("tiny")
+WORK = Workload(seq_len=64, global_batch=8, precision="fp32")
+
+
+def _profile(ar=1e9, ag=2e9, rs=0.5e9, latency=1e-4, flops=1e10, overlap=0.0) -> HardwareProfile:
+    links = {"all_reduce": Link(bus_bytes_per_s=ar, latency_s=latency),
+             "all_gather": Link(bus_bytes_per_s=ag, latency_s=latency),
+             "reduce_scatter": Link(bus_bytes_per_s=rs, latency_s=latency),
+             "send_recv": Link(bus_bytes_per_s=ar, latency_s=latency)}
+    return HardwareProfile(device="cpu", device_name="test", backend="gloo", ranks=2, threads_per_rank=1,
+                           matmul_flops={"fp32": flops, "bf16": flops}, attention_flops={"fp32": flops, "bf16": flops},
+                           elementwise_bytes_per_s=1e10, collectives={2: links}, overlap=overlap)
+
+
+def _time(layout: Layout, profile: HardwareProfile):
+    return step_time(TINY, layout, WORK, Cluster(cpu_device(2**30, profile), nodes=1, gpus_per_node=2))
+
+
+def test_profile_round_trip_and_bad_files(tmp_path):
+    path = tmp_path / "hw.json"
+    save_profile(_profile(), path)
+    assert load_profile(path) == _profile()
+    doc = json.loads(path.read_text())
+    doc["collectives"]["2"]["all_gather"]["bus_bytes_per_s"] = -1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"hw.json: collectives.2.all_gather.bus_bytes_per_s: .*greater than 0"):
+        load_profile(path)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a meshfit hardware profile.*meshfit calibrate"):
+        load_profile(path)
+
+
+def test_known_answer_compute_and_collectives_on_measured_rates():
+    # Compute at the measured rate (no efficiency factor); DDP all-reduces the fp32 gradients in buckets,
+    # a ring over 2 ranks: 2 · ((n−1)/n · bytes / bus bandwidth + calls · latency · (n−1)).
+    ddp = _time(Layout(dp_replicate=2), _profile())
+    tokens = WORK.global_batch // 2 * WORK.seq_len
+    assert ddp.compute_s == pytest.approx(tokens * flops_per_token(TINY, WORK.seq_len) / 1e10)
+    grads = num_params(TINY) * 4
+    calls = math.ceil(grads / DDP_BUCKET_BYTES)
+    assert ddp.dp_comm_s == pytest.approx(2 * (0.5 * grads / 1e9 + calls * 1e-4))
+    # ZeRO-3 gathers with all-gather's rate and reduces with reduce-scatter's: one call per block and the
+    # root, twice per micro-batch for the gathers (forward, backward), once for the reductions.
+    z3 = _time(Layout(dp_shard=2, zero_stage=3, micro_batch=4), _profile())
+    units = TINY.n_layers + 1
+    gather = 0.5 * num_params(TINY) * 4 / 2e9 + units * 1e-4
+    reduce = 0.5 * num_params(TINY) * 4 / 0.5e9 + units * 1e-4
+    assert z3.dp_comm_s == pytest.approx(2 * gather + reduce)
+
+
+def test_measured_rates_order_layouts_and_overlap_hides_communication():
+    slow, fast = _profile(ar=1e8, ag=1e8, rs=1e8), _profile(ar=1e10, ag=1e10, rs=1e10)
+    for layout in (Layout(dp_replicate=2), Layout(dp_shard=2, zero_stage=3), Layout(tp=2)):
+        assert _time(layout, fast).total_s < _time(layout, slow).total_s, layout
+    assert _time(Layout(dp_replicate=2), _profile(flops=2e10)).compute_s == pytest.approx(
+        _time(Layout(dp_replicate=2), _profile()).compute_s / 2)
+    hidden = _time(Layout(dp_shard=2, zero_stage=3), _profile(overlap=1.0))
+    assert hidden.dp_comm_s < _time(Layout(dp_shard=2, zero_stage=3), _profile()).dp_comm_s
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", "--nproc", "2", "--quick", "--model", "tiny", "--seq-len", "64", "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.device == "cpu" and profile.backend == "gloo" and profile.ranks == 2
+    assert set(profile.collectives) == {2} and profile.model_flops["fp32"] > 0 and profile.seq == 64
+    capsys.readouterr()
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpu-memory", "80MiB", "--gpus-per-node", "2",
+                 "--hardware", str(out), "--seq-len", "64", "--global-batch", "8", "--precision", "fp32",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cluster"]["gpu"] == "cpu" and plan["cluster"]["usable_bytes"] == 80 * 2**20
+    assert plan["cluster"]["rates"].startswith("measured")
+    assert plan["candidates"] and not any(c["layout"]["offload"] for c in plan["candidates"])
+    # Refused: an existing --out, a CPU plan without its budget, datasheet overrides next to --hardware.
+    assert main(["calibrate", "--nproc", "2", "--out", str(out)]) == 2
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--hardware", str(out)]) == 2
+    assert main(["plan", "--model", "tiny", "--hardware", str(out), "--gpu-memory", "1GiB",
+                 "--gpu-tflops", "100"]) == 2
+    assert main(["plan", "--model", "tiny", "--hardware", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "exists: replace it with --overwrite" in err and "--gpu-memory, e.g. --gpu-memory 80MiB" in err
+    assert "--gpu-tflops overrides a datasheet figure" in err and "none.json: no such hardware profile" in err
+    assert "Traceback" not in err
