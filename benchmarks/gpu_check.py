@@ -41,7 +41,7 @@ def measure(model_name: str, work: Workload, layout: Layout, steps: int, device:
     sections = plan_sections(get_preset(model_name), work, layout)
     sections["train"].update(steps=steps, device=device, log_every=1000)
     cfg = load_config(None, sections=sections)
-    outcome = launch(cfg, run_dir, None)
+    outcome = launch(cfg, run_dir, None, overwrite=True)  # a rerun into the same --out replaces it
     if not outcome.ok:
         return {"error": outcome.message}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = get_preset(args.preset)
-    profile = calibrate(1, model=model, seq=args.seq_len)
+    profile = calibrate(1, model=model, seq=args.seq_len, device=args.device)
     save_profile(profile, args.out / "hardware.json")
     memory = profile.memory_bytes or 2**40
     device = device_from_profile(profile, memory) if profile.device == "cuda" else cpu_device(memory, profile)

@@ -101,6 +101,13 @@ def stash_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
             run.stash = None
         else:
             out["has_stash"] = run.stash is not None
+        if run.stash is not None:
+            stash = run.stash.stash
+
+            def counted(stash=stash, run=run):  # how many shards the hook took during backward itself
+                out.setdefault("stashed_during_backward", len(run.stash.acc))
+                return stash()
+            run.stash.stash = counted
         inputs, targets = run.batches.next_batch()
         pairs = list(zip(inputs.split(run.shape.micro_batch), targets.split(run.shape.micro_batch), strict=True))
         for i, (x, y) in enumerate(pairs):
@@ -108,6 +115,7 @@ def stash_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
             if i == 0 and name == "stash":
                 params = run.stash.params  # the sharded parameters (the module holds gathered ones now)
                 out["grads_after_first"] = sum(p.grad is not None for p in params)
+                out["stash_tensors"] = len(run.stash.acc)
                 out["stash_dtypes"] = sorted({str(a.dtype) for a in run.stash.acc.values()})
                 out["stash_bytes"] = sum(a.numel() * a.element_size() for a in run.stash.acc.values())
                 out["shard_elements"] = sum(local(p).numel() for p in params)

@@ -81,14 +81,14 @@ def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys):
     assert main(["calibrate", "--nproc", "2", "--quick", "--model", "tiny", "--seq-len", "64", "--out", str(out)]) == 0
     profile = load_profile(out)
     assert profile.device == "cpu" and profile.backend == "gloo" and profile.ranks == 2
-    assert set(profile.collectives) == {2} and profile.model_flops["fp32"] > 0 and profile.seq == 64
+    assert set(profile.collectives) == {2} and profile.model_flops.fp32 > 0 and profile.seq == 64
     capsys.readouterr()
     assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpu-memory", "80MiB", "--gpus-per-node", "2",
                  "--hardware", str(out), "--seq-len", "64", "--global-batch", "8", "--precision", "fp32",
                  "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["cluster"]["gpu"] == "cpu" and plan["cluster"]["usable_bytes"] == 80 * 2**20
-    assert plan["cluster"]["rates"].startswith("measured")
+    assert plan["cluster"]["rates"] == "measured"
     assert plan["candidates"] and not any(c["layout"]["offload"] for c in plan["candidates"])
     # Refused: an existing --out, a CPU plan without its budget, datasheet overrides next to --hardware.
     assert main(["calibrate", "--nproc", "2", "--out", str(out)]) == 2
@@ -100,3 +100,21 @@ def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys):
     assert "exists: replace it with --overwrite" in err and "--gpu-memory, e.g. --gpu-memory 80MiB" in err
     assert "--gpu-tflops overrides a datasheet figure" in err and "none.json: no such hardware profile" in err
     assert "Traceback" not in err
+
+
+def test_profiles_that_do_not_match_the_flags_are_refused(tmp_path, capsys):
+    cpu, one_rank = tmp_path / "cpu.json", tmp_path / "one.json"
+    save_profile(_profile(), cpu)
+    save_profile(_profile().model_copy(update={"collectives": {}, "ranks": 1}), one_rank)
+    base = ["plan", "--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--gpus-per-node", "2"]
+    assert main([*base, "--hardware", str(cpu), "--gpu", "A100-80GB"]) == 2
+    assert main([*base, "--hardware", str(one_rank), "--gpu", "cpu", "--gpu-memory", "80MiB"]) == 2
+    assert main([*base, "--gpu", "cpu", "--gpu-memory", "80MiB", "--gpu-tflops", "10"]) == 2
+    assert main(["calibrate", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "measured on CPU ranks: it plans --gpu cpu, not --gpu A100-80GB" in err
+    assert "calibrated on one rank" in err and "--gpu-tflops overrides a catalog GPU's datasheet" in err
+    assert "--seq-len is the sequence length of --model's measurement" in err and "Traceback" not in err
+    # A CPU profile alone means CPU ranks (no --gpu needed); verify needs no rates, so no calibration.
+    assert main([*base, "--hardware", str(cpu), "--gpu-memory", "80MiB", "--precision", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["gpu"] == "cpu"

@@ -80,6 +80,8 @@ def test_zero2_mixed_precision_keeps_gradient_shards_in_bf16_between_micro_batch
                         "parallel.mixed_precision=true")
     out = run_ranks(stash_job, 2, cfg)[0]
     assert out["has_stash"] and out["grads_after_first"] == 0
+    # FSDP's post-reduce hook took every shard as its unit was reduced (no fp32 shards pile up).
+    assert out["stashed_during_backward"] == out["stash_tensors"]
     assert out["stash_dtypes"] == ["torch.bfloat16"]
     assert out["stash_bytes"] == 2 * out["shard_elements"]  # every parameter's shard, 2 bytes each
     assert out["stash_grad_dtype"] == out["fp32_grad_dtype"] == "torch.float32"

@@ -16,14 +16,19 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meshfit.planner.profile import COLLECTIVES, DTYPES, HardwareProfile
+from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
 from meshfit.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from meshfit.models.config import ModelConfig
 
 # Per measurement: repeat until this many seconds have passed (at least MIN_REPS calls, after one warm-up).
 TARGET_S = {"full": 0.4, "quick": 0.12}
 MIN_REPS = 3
+COLLECTIVES = tuple(GroupLinks.model_fields)  # the profile's fields name what is measured
+DTYPES = tuple(Rates.model_fields)
 
 
 def _sync(device: Any) -> None:
@@ -130,10 +135,13 @@ def _optimizer_rate(device: Any, numel: int, target_s: float) -> float:
     moments read and written (32 bytes per fp32 parameter)."""
     import torch
 
+    from meshfit.planner.precision import OPTIMIZER_STATES, STORAGE_BYTES
+
     p = torch.nn.Parameter(torch.randn(numel, device=device))
     p.grad = torch.randn(numel, device=device)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    return 32.0 * numel / _timed(opt.step, device, target_s)
+    traffic = 2 * STORAGE_BYTES["fp32"] * (2 + OPTIMIZER_STATES["adamw"])  # as timing.py's step_bytes
+    return traffic * numel / _timed(opt.step, device, target_s)
 
 
 def _collective(op: str, group: Any, rank: int, size: int, nbytes: int, device: Any, target_s: float) -> float:
@@ -192,27 +200,39 @@ def _collectives(device: Any, big: int, small: int, target_s: float, say: Callab
 
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = "nccl" if device.type == "cuda" else None
-    out: dict[int, dict[str, dict[str, float]]] = {}
     pair = dist.new_group([0, 1], backend=backend)  # every rank takes part in new_group
+    # Point to point is between two ranks whatever the group size: measured once.
+    send_recv = _link("send_recv", pair, rank, 2, big, small, device, target_s) if rank < 2 else {}
+    say(f"send/recv between 2 ranks: {_describe(send_recv)}")
+    out: dict[int, dict[str, dict[str, float]]] = {}
     for size in group_sizes(world):
         group = dist.new_group(list(range(size)), backend=backend)
-        results: dict[str, dict[str, float]] = {}
+        results = {"send_recv": send_recv}
         for op in COLLECTIVES:
-            grp, n = (pair, 2) if op == "send_recv" else (group, size)
-            if rank >= n:
+            if op == "send_recv" or rank >= size:
                 continue
-            t_big = _collective(op, grp, rank, n, big, device, target_s)
-            t_small = _collective(op, grp, rank, n, small, device, target_s)
-            bus = _bus_factor(op, n) * big / t_big
-            latency = max(0.0, t_small - _bus_factor(op, n) * small / bus) / _hops(op, n)
-            results[op] = {"bus_bytes_per_s": bus, "latency_s": latency}
-            say(f"{op} over {size} ranks: {bus / 1e9:.2f} GB/s bus, {latency * 1e6:.0f} µs per hop")
+            results[op] = _link(op, group, rank, size, big, small, device, target_s)
+            say(f"{op} over {size} ranks: {_describe(results[op])}")
         dist.barrier()
         out[size] = results
     return out
 
 
-def _overlap(device: Any, dim: int, tokens: int, nbytes: int, target_s: float) -> float:
+def _link(op: str, group: Any, rank: int, n: int, big: int, small: int, device: Any, target_s: float
+          ) -> dict[str, float]:
+    """Bus bandwidth from a large message, per-hop latency from a small one."""
+    t_big = _collective(op, group, rank, n, big, device, target_s)
+    t_small = _collective(op, group, rank, n, small, device, target_s)
+    bus = _bus_factor(op, n) * big / t_big
+    latency = max(0.0, t_small - _bus_factor(op, n) * small / bus) / _hops(op, n)
+    return {"bus_bytes_per_s": bus, "latency_s": latency}
+
+
+def _describe(link: dict[str, float]) -> str:
+    return f"{link['bus_bytes_per_s'] / 1e9:.2f} GB/s bus, {link['latency_s'] * 1e6:.0f} µs per hop" if link else ""
+
+
+def _overlap(device: Any, dim: int, tokens: int, nbytes: int, target_s: float, group: Any) -> float:
     """Share of a matmul loop's time that hides a concurrent all-reduce: (t_comm + t_compute − t_both) /
     t_compute, with the all-reduce sized to last about as long as the compute."""
     import torch
@@ -223,26 +243,30 @@ def _overlap(device: Any, dim: int, tokens: int, nbytes: int, target_s: float) -
     buf = torch.ones(max(1, nbytes // 4), device=device)
     compute = lambda: [x @ w for _ in range(4)]  # noqa: E731
     t_c = _timed(compute, device, target_s)
-    t_a = _timed_together(lambda: dist.all_reduce(buf), device, target_s)
+    t_a = _timed_together(lambda: dist.all_reduce(buf, group=group), device, target_s, group)
 
     def both() -> None:
-        work = dist.all_reduce(buf, async_op=True)
+        work = dist.all_reduce(buf, group=group, async_op=True)
         compute()
         work.wait()
 
-    t_b = _timed_together(both, device, target_s)
+    t_b = _timed_together(both, device, target_s, group)
     return min(1.0, max(0.0, (t_a + t_c - t_b) / t_c))
 
 
-def measure_rank(threads: int, dim: int, quick: bool, model: Any = None, seq: int = 0) -> dict[str, Any]:
-    """One rank's measurements (the process group is up); rank 0 prints progress."""
+def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None = None, seq: int = 0,
+                 device_type: str = "cpu") -> dict[str, Any]:
+    """One rank's measurements (the gloo process group is up; on CUDA the collectives run over NCCL
+    groups); rank 0 prints progress."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     target = TARGET_S["quick" if quick else "full"]
     start = time.perf_counter()
 
@@ -274,7 +298,8 @@ def measure_rank(threads: int, dim: int, quick: bool, model: Any = None, seq: in
         big //= 4
     out["collectives"] = _collectives(device, big, small, target, say) if world > 1 else {}
     if world > 1:
-        out["overlap"] = _overlap(device, dim, tokens, big, 2 * target)
+        everyone = dist.new_group(list(range(world)), backend="nccl") if cuda else None
+        out["overlap"] = _overlap(device, dim, tokens, big, 2 * target, everyone)
         say(f"all-reduce hidden behind a concurrent matmul: {out['overlap']:.0%}")
     if cuda:
         host = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
@@ -300,19 +325,31 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Any = None,
-              seq: int = 0) -> HardwareProfile:
-    """Measure on ``nproc`` local ranks (gloo on CPU; NCCL among the GPUs when CUDA is present); with
-    ``model`` (a ModelConfig) and ``seq`` also its own training rate at that sequence length."""
+class CalibrationError(RuntimeError):
+    """The measurement could not run (bad --nproc for the devices, a rank failed); the message says why."""
+
+
+def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: ModelConfig | None = None,
+              seq: int = 0, device: str = "auto") -> HardwareProfile:
+    """Measure on ``nproc`` local ranks: ``device`` "cpu" (gloo), "cuda" (one GPU per rank, NCCL) or "auto"
+    (cuda when present); with ``model`` and ``seq`` also the model's own training rate."""
     import torch
 
-    from meshfit.testing import run_ranks
+    from meshfit.testing import RankFailed, run_ranks
     from meshfit.train.launch import rank_threads
 
-    cuda = torch.cuda.is_available()
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda and nproc > torch.cuda.device_count():
+        raise CalibrationError(f"--nproc {nproc} needs one GPU per rank; this machine has "
+                               f"{torch.cuda.device_count()} visible to torch")
     dim = dim or (model.dim if model is not None else (4096 if cuda else 512))
     threads = rank_threads(nproc)
-    ranks = run_ranks(measure_rank, nproc, threads, dim, quick, model, seq, timeout_s=600.0)
+    try:
+        ranks = run_ranks(measure_rank, nproc, threads, dim, quick, model, seq, "cuda" if cuda else "cpu",
+                          timeout_s=600.0)
+    except (RankFailed, TimeoutError) as exc:
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise CalibrationError(f"the measurement failed on a rank: {last}") from None
     first = ranks[0]
     keys = ("matmul_flops", "attention_flops") + (("model_flops",) if model is not None else ())
     slowest = {key: {d: min(r[key][d] for r in ranks) for d in DTYPES} for key in keys}
@@ -320,7 +357,7 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: An
         device="cuda" if cuda else "cpu", device_name=first["device_name"], backend="nccl" if cuda else "gloo",
         ranks=nproc, threads_per_rank=threads, memory_bytes=first.get("memory_bytes"),
         matmul_flops=slowest["matmul_flops"], attention_flops=slowest["attention_flops"],
-        model_flops=slowest.get("model_flops", {}), seq=seq if model is not None else 0,
+        model_flops=slowest.get("model_flops"), seq=seq if model is not None else 0,
         elementwise_bytes_per_s=min(r["elementwise_bytes_per_s"] for r in ranks),
         collectives=first["collectives"], overlap=first.get("overlap", 0.0),
         host_device_bytes_per_s=first.get("host_device_bytes_per_s"), torch=torch.__version__,

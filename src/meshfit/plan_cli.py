@@ -15,15 +15,12 @@ from rich.table import Table
 
 from meshfit.models.config import ATTENTIONS
 from meshfit.parallel.recompute import AC_MODES
-from meshfit.planner.hardware import CPU, GPUS, Cluster, cpu_device, device_from_profile, get_gpu
+from meshfit.plan_cluster import DEFAULT_GPU, PlanInputError, resolve_cluster
+from meshfit.planner.hardware import GPUS, Cluster
 from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Layout, Workload, parse_assignments,
                                     parse_layout)
 from meshfit.names import did_you_mean
 from meshfit.units import fmt_bytes, fmt_count, fmt_duration, parse_bytes
-
-
-class PlanInputError(ValueError):
-    """A plan/verify flag names something invalid; the message says which flag and what would be valid."""
 
 
 # Flag types: argparse then refuses a bad value naming the flag (exit 2), before anything is computed.
@@ -62,9 +59,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
     g.add_argument("--dims", default="", metavar="KEY=VAL,…",
                    help="custom dimensions on top of --model, e.g. dim=5120,n_layers=40,n_heads=40")
     g = parser.add_argument_group("cluster")
-    g.add_argument("--gpu", default="H100-SXM",
-                   help=f"GPU model: {', '.join(GPUS)} (default H100-SXM), or cpu: CPU ranks as `meshfit train` runs "
-                        "them, each under the budget --gpu-memory")
+    g.add_argument("--gpu", default=None,
+                   help=f"GPU model: {', '.join(GPUS)} (default {DEFAULT_GPU}), or cpu: CPU ranks as "
+                        "`meshfit train` runs them, each under the budget --gpu-memory")
     g.add_argument("--hardware", type=Path, metavar="FILE",
                    help="measured rates from `meshfit calibrate --out FILE`, in place of the datasheet figures and "
                         "efficiency constants")
@@ -124,65 +121,6 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     except ValueError as exc:
         raise PlanInputError(f"{'--dims' if changes else '--model ' + spec}: {exc}") from None
     return name, model
-
-
-def resolve_cluster(args: argparse.Namespace) -> Cluster:
-    nodes, per_node = args.nodes or 1, args.gpus_per_node or 8
-    profile = _profile(args)
-    if args.gpu.strip().lower() == CPU or (profile is not None and profile.device == "cpu"):
-        return Cluster(_cpu(args, profile, nodes * per_node), nodes=nodes, gpus_per_node=per_node)
-    try:
-        gpu = get_gpu(args.gpu)
-    except ValueError as exc:
-        raise PlanInputError(f"--gpu: {exc} (or cpu: CPU ranks under --gpu-memory)") from None
-    if profile is not None:
-        gpu = device_from_profile(profile, args.gpu_memory or profile.memory_bytes or gpu.memory_bytes)
-        return Cluster(gpu, nodes=nodes, gpus_per_node=per_node)
-    changes = {}
-    if args.gpu_memory:
-        changes["memory_bytes"] = args.gpu_memory
-    if args.gpu_tflops:
-        changes["bf16_flops"] = args.gpu_tflops * 1e12
-    if args.intra_node_gbps:
-        changes["intra_node_bytes_per_s"] = args.intra_node_gbps * 1e9
-    if args.inter_node_gbps:
-        changes["inter_node_bytes_per_s"] = args.inter_node_gbps * 1e9
-    if changes:
-        gpu = dataclasses.replace(gpu, name=f"{gpu.name}*", **changes)
-    return Cluster(gpu, nodes=nodes, gpus_per_node=per_node)
-
-
-def _profile(args: argparse.Namespace):  # -> HardwareProfile | None
-    if not getattr(args, "hardware", None):
-        return None
-    given = [flag for flag, value in (("--gpu-tflops", args.gpu_tflops), ("--intra-node-gbps", args.intra_node_gbps),
-                                      ("--inter-node-gbps", args.inter_node_gbps)) if value]
-    if given:
-        raise PlanInputError(f"{given[0]} overrides a datasheet figure, but --hardware replaces them all with "
-                             "measured ones: give one or the other")
-    from meshfit.planner.profile import load_profile
-
-    try:
-        return load_profile(args.hardware)
-    except ValueError as exc:
-        raise PlanInputError(f"--hardware {exc}") from None
-
-
-def _cpu(args: argparse.Namespace, profile, world: int):  # -> GPU
-    """CPU ranks as `meshfit train` runs them: --gpu-memory is the per-rank budget (train.memory_budget)."""
-    if not args.gpu_memory:
-        raise PlanInputError("--gpu cpu plans CPU ranks under a per-rank memory budget: give it with "
-                             "--gpu-memory, e.g. --gpu-memory 80MiB (what train.memory_budget would be)")
-    if profile is None:
-        import os
-
-        from meshfit.calibrate import calibrate
-
-        nproc = max(1, min(world, os.cpu_count() or 1))
-        print(f"note: no --hardware given; calibrating this machine on {nproc} rank(s) (quick, ~15 s; "
-              "`meshfit calibrate --out FILE` once, then --hardware FILE, is faster and steadier)", file=sys.stderr)
-        profile = calibrate(nproc, quick=True)
-    return cpu_device(args.gpu_memory, profile)
 
 
 def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
@@ -341,7 +279,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     name, model = resolve_model(args.model, args.dims)
     layout = layout_from_args(args)
-    cluster = resolve_cluster(args)
+    cluster = resolve_cluster(args, rates=False)
     if args.nodes is None and args.gpus_per_node is None:
         # No cluster given: the dry run measures the layout's own world size, on --gpu's memory.
         cluster = dataclasses.replace(cluster, nodes=1, gpus_per_node=layout.world_size)

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.parallel.dims import Meshes, ParallelDims
+from meshfit.parallel.kinds import stashes_gradients
 
 
 def apply_ddp(model: nn.Module, meshes: Meshes) -> nn.Module:
@@ -104,28 +105,41 @@ class GradientStash:
 
     FSDP2 keeps a gradient in its sharded parameter's dtype, fp32 here (the shards are the master weights),
     so accumulating over micro-batches would hold 4 bytes per parameter of the rank's shard where the ZeRO
-    paper's stage 2 (2Ψ + 14Ψ/N) and DeepSpeed hold 2. After every micro-batch but the last the fp32 shards
-    are added into bf16 accumulators and freed, so FSDP's next reduce-scatter starts a new shard; after the
-    last they are added back, tensor by tensor. The sum of the earlier micro-batches is rounded to bf16 once
-    per micro-batch (the rounding DeepSpeed's 16-bit gradients have); the last micro-batch's stays fp32.
+    paper's stage 2 (2Ψ + 14Ψ/N) and DeepSpeed hold 2. During every micro-batch but the last, a hook that
+    FSDP2 runs right after it sets a parameter's reduced shard adds the shard into a bf16 accumulator and
+    drops it, so at most one unit's fp32 reduce-scatter output exists at a time and the next micro-batch's
+    reduce-scatter starts fresh shards; after the last micro-batch the sums are added back, tensor by tensor.
+    The sum of the earlier micro-batches is rounded to bf16 once per micro-batch (the rounding DeepSpeed's
+    16-bit gradients have); the last micro-batch's stays fp32.
     """
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.acc: dict[nn.Parameter, torch.Tensor] = {}
+        self.active = False  # set per micro-batch: stash during all but the last
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._take)
 
     @torch.no_grad()
+    def _take(self, p: nn.Parameter) -> None:
+        if not self.active or p.grad is None:
+            return
+        grad = _local(p.grad)
+        if p in self.acc:
+            self.acc[p].add_(grad)  # computed in fp32, rounded into the bf16 accumulator
+        else:
+            self.acc[p] = grad.to(torch.bfloat16)
+        p.grad = None
+
+    def begin(self, last: bool) -> None:
+        """Before a micro-batch's forward: stash its gradients unless it is the last one."""
+        self.active = not last
+
     def stash(self) -> list[torch.Tensor]:
-        """After a micro-batch that is not the last; returns the accumulators (new or updated)."""
+        """After a micro-batch that is not the last: stash what the hook has not (it takes every shard FSDP
+        reduces); returns the accumulators."""
         for p in self.params:
-            if p.grad is None:
-                continue
-            grad = _local(p.grad)
-            if p in self.acc:
-                self.acc[p].add_(grad)  # computed in fp32, rounded into the bf16 accumulator
-            else:
-                self.acc[p] = grad.to(torch.bfloat16)
-            p.grad = None
+            self._take(p)
         return list(self.acc.values())
 
     @torch.no_grad()
@@ -152,6 +166,6 @@ def _as_grad_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def gradient_stash(model: nn.Module, stage: int, mixed_precision: bool, accum_steps: int) -> GradientStash | None:
     """The stash for layouts that need one: stage 2, mixed precision, more than one micro-batch."""
-    if stage != 2 or not mixed_precision or accum_steps < 2 or not isinstance(model, FSDPModule):
+    if not isinstance(model, FSDPModule) or not stashes_gradients(stage, mixed_precision, accum_steps, False):
         return None
     return GradientStash(list(model.parameters()))

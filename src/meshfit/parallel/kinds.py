@@ -19,3 +19,9 @@ def data_parallel_kind(zero_stage: int, dp: int, tp: int, mixed_precision: bool)
     if dp == 1:
         return "none"
     return "replicas" if tp > 1 else "ddp"
+
+
+def stashes_gradients(zero_stage: int, mixed_precision: bool, micro_batches: int, pipelined: bool) -> bool:
+    """Whether gradient shards wait in bf16 between micro-batches (data_parallel.GradientStash): ZeRO-2
+    under mixed precision with gradient accumulation (pipeline schedules accumulate unsharded instead)."""
+    return zero_stage == 2 and mixed_precision and micro_batches > 1 and not pipelined

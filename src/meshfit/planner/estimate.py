@@ -26,7 +26,7 @@ from meshfit.planner.activations import (
     block_weight_params,
     checkpointed_block_bytes,
 )
-from meshfit.parallel.kinds import data_parallel_kind
+from meshfit.parallel.kinds import data_parallel_kind, stashes_gradients
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import GPU
@@ -236,8 +236,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     # ZeRO-2 under mixed precision: earlier micro-batches' gradient shards wait in bf16 (GradientStash) until
     # the last micro-batch's backward has made its fp32 ones, and are added into them after it.
     g_store = STORAGE_BYTES[workload.precision]
-    stash = grads_full * c_bytes / g_store if (fsdp and stage == 2 and micro > 1 and c_bytes < g_store
-                                               and layout.pp == 1) else 0.0
+    stash = (grads_full * c_bytes / g_store
+             if stashes_gradients(stage, workload.precision == "mixed", micro, layout.pp > 1) else 0.0)
     if layout.pp > 1:
         per_stage = act_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
@@ -350,8 +350,8 @@ def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States,
                  accumulated: float, optim: float, buckets: float, stash: float
                  ) -> tuple[float, float, float, float, float]:
     """The end of backward, when the root unit (embeddings, head) reduces its gradients: its unsharded
-    gradients, their copy in the reduce dtype and the reduced shard coexist with every block's sharded
-    gradients (measured with torch's tracker)."""
+    gradients and their copy in the reduce dtype (or, without a cast, the reduced shard) coexist with every
+    block's sharded gradients (measured with torch's tracker)."""
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
     blocks_sharded = st.grads * (1 - share.root_params / share.params)
     grads = accumulated or blocks_sharded + share.root_params * c_bytes + stash

@@ -101,14 +101,18 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in _CATALOG}
 CPU = "cpu"
 
 
-def cpu_device(memory_bytes: int, profile: HardwareProfile) -> GPU:
-    """CPU ranks as `meshfit train` runs them: ``memory_bytes`` is the per-rank budget, the rates measured."""
+def cpu_device(memory_bytes: int, profile: HardwareProfile | None) -> GPU:
+    """CPU ranks as `meshfit train` runs them: ``memory_bytes`` is the per-rank budget, the rates measured
+    (without a profile the device has no rates: enough for memory, e.g. `meshfit verify`)."""
+    if profile is None:
+        return GPU(CPU, memory_bytes, 0.0, 0.0, 0.0, 0.0, 0.0, allocator_headroom=0.0)
     return dataclasses.replace(device_from_profile(profile, memory_bytes), name=CPU, allocator_headroom=0.0)
 
 
 def device_from_profile(profile: HardwareProfile, memory_bytes: int) -> GPU:
     """A device whose rates are those ``profile`` measured (peaks = measured rates, no efficiency)."""
-    ar = max(profile.collectives.items())[1]["all_reduce"].bus_bytes_per_s if profile.collectives else 1.0
+    # The link fields are informational here: the time model asks the profile for every collective.
+    ar = max(profile.collectives.items())[1].all_reduce.bus_bytes_per_s if profile.collectives else 0.0
     return GPU(f"{profile.device_name} (calibrated)", memory_bytes, profile.flops("bf16"), profile.flops("fp32"),
                profile.elementwise_bytes_per_s, ar, ar, profile=profile)
 

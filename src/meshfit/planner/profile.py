@@ -36,14 +36,32 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from meshfit.jsonfile import read_json_object
 
 FORMAT = "meshfit-hardware-profile/1"
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-DTYPES = ("fp32", "bf16")
 
 
 class Link(BaseModel):
+    """Bus bandwidth and per-hop latency of one collective over one group size."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     bus_bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
+
+
+class Rates(BaseModel):
+    """One measured rate per compute dtype."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    fp32: float = Field(gt=0)
+    bf16: float = Field(gt=0)
+
+
+class GroupLinks(BaseModel):
+    """The collectives of one group size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    all_reduce: Link
+    all_gather: Link
+    reduce_scatter: Link
+    send_recv: Link
 
 
 class HardwareProfile(BaseModel):
@@ -58,14 +76,14 @@ class HardwareProfile(BaseModel):
     threads_per_rank: int = Field(ge=1)
     dim: int = Field(default=0, ge=0)  # the hidden size the matmuls and attention were measured at
     memory_bytes: int | None = Field(default=None, gt=0)
-    matmul_flops: dict[Literal["fp32", "bf16"], float]
-    attention_flops: dict[Literal["fp32", "bf16"], float]
+    matmul_flops: Rates
+    attention_flops: Rates
     # meshfit's own model (its first blocks, embeddings, head, loss) trained at `dim` and `seq`: FLOP/s by
     # flops_per_token's count, so element-wise work and per-operator overhead are in it. Optional.
-    model_flops: dict[Literal["fp32", "bf16"], float] = {}
+    model_flops: Rates | None = None
     seq: int = Field(default=0, ge=0)
     elementwise_bytes_per_s: float = Field(gt=0)
-    collectives: dict[int, dict[Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"], Link]] = {}
+    collectives: dict[int, GroupLinks] = {}
     overlap: float = Field(default=0.0, ge=0, le=1)
     host_device_bytes_per_s: float | None = Field(default=None, gt=0)
     torch: str = ""
@@ -77,18 +95,18 @@ class HardwareProfile(BaseModel):
         model's training rate when calibrated with one (attention included), else the matmul or attention
         kernel rate."""
         key = "fp32" if precision == "fp32" else "bf16"
-        if self.model_flops:
-            return self.model_flops[key]
-        return (self.attention_flops if attention else self.matmul_flops)[key]
+        if self.model_flops is not None:
+            return getattr(self.model_flops, key)
+        return getattr(self.attention_flops if attention else self.matmul_flops, key)
 
     def link(self, size: int, op: str) -> tuple[float, float]:
         """(bus bytes/s, latency per hop) of ``op`` over ``size`` ranks: the measured group size, else the
-        nearest measured one (larger groups than the calibration had keep its largest group's rates)."""
+        nearest measured one (groups larger than the calibration's keep its largest group's rates)."""
         if not self.collectives:
             raise ValueError("the hardware profile has no collective measurements (calibrated on one rank); "
                              "run `meshfit calibrate --nproc N` with N ≥ 2")
         nearest = min(self.collectives, key=lambda n: (abs(n - size), -n))
-        entry = self.collectives[nearest][op]  # type: ignore[index]
+        entry: Link = getattr(self.collectives[nearest], op)
         return entry.bus_bytes_per_s, entry.latency_s
 
 

@@ -71,7 +71,7 @@ class Plan:
             "cluster": {"gpu": gpu.name, "nodes": self.cluster.nodes, "gpus_per_node": self.cluster.gpus_per_node,
                         "world_size": self.cluster.world_size, "memory_bytes": gpu.memory_bytes,
                         "usable_bytes": int(usable_bytes(gpu)),
-                        "rates": "measured (--hardware)" if gpu.profile is not None else "datasheet"},
+                        "rates": "measured" if gpu.profile is not None else "datasheet"},
             "workload": self.workload.__dict__,
             "evaluated": len(self.candidates), "fitting": len(self.fitting),
             "candidates": [c.to_json() for c in chosen],

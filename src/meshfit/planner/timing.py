@@ -137,8 +137,9 @@ def _link(cluster: Cluster, stride: int, size: int, op: str = "all_reduce") -> t
     """(bytes/s per GPU, latency per hop) of ``op`` over ``size`` ranks ``stride`` apart in rank order: the
     calibrated rates when the device has a profile, else the datasheet link at COLLECTIVE_BW_EFFICIENCY."""
     gpu = cluster.gpu
-    if gpu.profile is not None and gpu.profile.collectives:
-        return gpu.profile.link(size, op)
+    if gpu.profile is not None:
+        # A group of one does not communicate (its ring costs nothing whatever the link).
+        return gpu.profile.link(size, op) if size > 1 else (1.0, 0.0)
     if stride * size > cluster.gpus_per_node:
         return gpu.inter_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTER_S
     return gpu.intra_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTRA_S
@@ -240,10 +241,10 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
 
     ``efficiency``: achievable fraction of the peak FLOP/s (default EFFICIENCY; 1 with a calibrated device,
     whose rates are measured). ``dp_overlap``: fraction of the compute that hides data-parallel
-    communication and offload copies (0 exposes all of it; default DP_OVERLAP, or the calibrated overlap). The layout and workload
-    are assumed to pass their own ``check()``; raises ValueError when the layout's world size differs
-    from the cluster's, when the batch does not split into the layout's micro-batches, or when the
-    pipeline has more stages than the model has layers.
+    communication and offload copies (0 exposes all of it; default DP_OVERLAP, or the calibrated overlap).
+    The layout and workload are assumed to pass their own ``check()``; raises ValueError when the layout's
+    world size differs from the cluster's, when the batch does not split into the layout's micro-batches,
+    or when the pipeline has more stages than the model has layers.
     """
     prof = cluster.gpu.profile
     if efficiency is None:

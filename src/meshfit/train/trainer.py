@@ -128,6 +128,8 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     no_sync = getattr(run.model, "no_sync", None)
     ctx = contextlib.nullcontext() if (sync or no_sync is None) else no_sync()
     set_micro_batch(run.model, run.shape.zero_stage, last=sync)
+    if run.stash is not None:
+        run.stash.begin(last=sync)
     with ctx:
         run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
         run.tracker.phase = "forward"
