@@ -11,7 +11,8 @@ working set against the paper, and what stays between steps; all in bytes per pa
 
 Part 2 (N = 2 and 4 on this machine): the `small` preset in mixed precision, seq 32, two micro-batches of
 one sequence per rank. For each stage the most-loaded rank's peak as planned, dry-run (`meshfit verify`) and
-measured in a real gloo run (steps 2-3), and its model states (weights + gradients + optimizer states at the
+measured in a real gloo run (steps 2-3), the CPU plan (backend gloo: its reduce-scatters copy their input,
+which NCCL and the dry run's fake process group do not) against the real run, and its model states (weights + gradients + optimizer states at the
 peak) in bytes per parameter.
 """
 
@@ -92,12 +93,14 @@ def measured_table(skip_real: bool) -> None:
     psi = num_params(SMALL)
     print(f"\nsmall preset ({psi / 1e6:.2f} M params), mixed precision, seq 32, 2 micro-batches per rank")
     print(f"{'N':>2s} {'stage':>5s} {'plan MiB':>9s} {'verify':>8s} {'real':>8s} {'plan/ver':>8s} {'plan/real':>9s} "
-          f"{'states B/param: plan':>21s} {'verify':>7s} {'real':>7s} {'paper':>7s}")
+          f"{'states B/param: plan':>21s} {'verify':>7s} {'real':>7s} {'paper':>7s}   {'gloo plan':>8s} "
+          f"{'gloo/real':>9s}")
     for n in (2, 4):
         work = Workload(seq_len=32, global_batch=2 * n, precision="mixed")
         for stage in range(4):
             lay = layout(stage, n)
             est = estimate_memory(SMALL, lay, work)
+            gloo = estimate_memory(SMALL, lay, work, backend="gloo")  # what a CPU plan (--gpu cpu) predicts
             fake = verify_in_subprocess("small", lay, work)["measured"]
             plan_states = (est.params + est.grads + est.optim) / psi
             fake_states = (fake["params"] + fake["grads"] + fake["optim"]) / psi
@@ -110,7 +113,7 @@ def measured_table(skip_real: bool) -> None:
             real_states = (real["params"] + real["grads"] + real["optim"]) / psi
             print(f"{row} {real['peak'] / 2**20:8.2f} {est.total / fake['total']:8.3f} "
                   f"{est.total / real['peak']:9.3f} {plan_states:21.3f} {fake_states:7.3f} {real_states:7.3f} "
-                  f"{paper(stage, n):7.3f}", flush=True)
+                  f"{paper(stage, n):7.3f}   {gloo.total / 2**20:8.2f} {gloo.total / real['peak']:9.3f}", flush=True)
 
 
 def main() -> None:

@@ -104,10 +104,10 @@ def demo_config(*overrides: str, sections: dict[str, dict[str, Any]] | None = No
 
 
 def predict(trial: Trial) -> MemoryEstimate:
-    """The planner's per-rank peak for a demo layout (CPU ranks: per-parameter AdamW, fp32)."""
+    """The planner's per-rank peak for a demo layout: CPU ranks (gloo), fp32, as `meshfit plan --gpu cpu`."""
     model = demo_config().model.resolve()
     workload = Workload(seq_len=DEMO_SEQ_LEN, global_batch=trial.global_batch, precision="fp32")
-    return estimate_memory(model, trial.layout, workload)
+    return estimate_memory(model, trial.layout, workload, backend="gloo")
 
 
 def loss_floor(cfg: Config) -> dict[str, float] | None:

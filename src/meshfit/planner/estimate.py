@@ -197,17 +197,17 @@ def _states(layout: Layout, workload: Workload, n: float) -> _States:
     return _States(n * w_bytes / share, grads, n * o_bytes / share, grads if ddp else 0.0)
 
 
-def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int
-                   ) -> MemoryEstimate:
-    phases = _phases(model, layout, workload, share, rank)
+def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int,
+                   backend: str = "nccl") -> MemoryEstimate:
+    phases = _phases(model, layout, workload, share, rank, backend)
     totals = {name: sum(parts) for name, parts in phases.items()}
     phase = max(totals, key=totals.__getitem__)
     st = _states(layout, workload, share.params)
     return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank, rest=(st.params, st.at_rest_grads, st.optim))
 
 
-def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int
-            ) -> dict[str, tuple[float, float, float, float, float]]:
+def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int,
+            backend: str = "nccl") -> dict[str, tuple[float, float, float, float, float]]:
     """(params, grads, optim, activations, buffers) of one rank at each phase of a steady step."""
     mode = _mode(workload)
     kind = _kind(layout, workload)
@@ -275,9 +275,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         unit_grads = share.block_params * c_bytes
         if mode == "bf16":
             # Measured with 16-bit compute: either the last block's backward starts (gradient temporaries
-            # about the size of its h-wide activations, no gradients yet) or its gradients exist, cast to
-            # fp32 for the reduce-scatter; the larger of the two is the peak.
-            unit_grads = share.block_params * 4
+            # about the size of its h-wide activations, no gradients yet) or its 16-bit gradients exist next
+            # to their fp32 copy for the reduce-scatter; the larger of the two is the peak.
+            unit_grads = share.block_params * (4 + c_bytes)
             working = tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
         if accumulated:
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
@@ -294,6 +294,13 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             gathered = gathered_loss = (share.root_params + (share.layers + 1) * share.block_params) * c_bytes
             grads_loss = n * _reduce_bytes(workload, layout, c_bytes)
             unit_grads = working = 0.0
+    # gloo (CPU ranks) copies a reduce-scatter's input while it runs (seen by torch's tracker inside the
+    # collective's wait; NCCL and the dry run's fake process group do not): one unit's gradients in the
+    # reduce dtype next to the input. A cast input has freed the 16-bit gradients by then (measured: the
+    # unit then holds 2 × 4 bytes per parameter where NCCL holds 2 + 4).
+    r_bytes = _reduce_bytes(workload, layout, c_bytes)
+    gloo_copy = (share.block_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
+                 if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 else 0.0)
     # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
     # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
     # backward yet; the final norm's and the loss's other temporaries are gone.
@@ -319,7 +326,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
                      optim, block_acts + recompute + working, buckets),
         # ... and once its gradients exist, most of the last block's activations are freed.
         "block gradients": (params + gathered, grads_loss + unit_grads, optim,
-                            block_acts + recompute - act_mb / max(1, share.layers), buckets),
+                            block_acts + recompute - act_mb / max(1, share.layers) + gloo_copy, buckets),
         "backward end": (params + (share.root_params * c_bytes if fsdp else 0), grads_full + stash, optim, 0.0,
                          buckets),
         # The fused AdamW step updates tensor by tensor in place: no temporaries worth counting.
@@ -351,25 +358,33 @@ def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States,
                  ) -> tuple[float, float, float, float, float]:
     """The end of backward, when the root unit (embeddings, head) reduces its gradients: its unsharded
     gradients and their copy in the reduce dtype (or, without a cast, the reduced shard) coexist with every
-    block's sharded gradients (measured with torch's tracker)."""
+    block's sharded gradients (measured with torch's tracker). With ZeRO-2's stash there are two such
+    moments: a micro-batch before the last (every unit still gathered, the blocks' shards already stashed)
+    and the last (every unit re-sharded, the blocks' fp32 shards next to the stash)."""
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
     blocks_sharded = st.grads * (1 - share.root_params / share.params)
-    grads = accumulated or blocks_sharded + share.root_params * c_bytes + stash
+    root = share.root_params * c_bytes
     cast = share.root_params * r_bytes if r_bytes != c_bytes else 0.0
     # Over a single shard FSDP reduces in place: the copy is the output. A copy in a wider reduce dtype is
     # made while the compute-dtype gradients live; they are freed before the reduced shard is allocated.
     output = share.root_params * r_bytes / layout.dp_shard if layout.dp_shard > 1 else 0.0
-    return (params, grads, optim, cast or output, buckets)
+    if stash:
+        earlier = (params, stash + root, optim, cast or output, buckets)
+        last = (st.params, blocks_sharded + stash + root, optim, cast or output, buckets)
+        return max(earlier, last, key=sum)
+    return (params, accumulated or blocks_sharded + root, optim, cast or output, buckets)
 
 
-def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload) -> MemoryEstimate:
-    """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases)."""
+def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, backend: str = "nccl"
+                    ) -> MemoryEstimate:
+    """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases);
+    ``backend`` "gloo" for CPU ranks, whose reduce-scatters copy their input."""
     model = pad_vocab_for_tp(model, layout.tp)  # as training builds it
     shares = _layout_shares(model, layout, workload)
     # In-flight micro-batches fall with the pipeline rank, so the most-loaded rank is the first, the last
     # (head, logits) or the one with the most blocks; the others need not be evaluated.
     ranks = {0, len(shares) - 1, max(range(len(shares)), key=lambda r: shares[r].layers)}
-    estimates = [_rank_estimate(model, layout, workload, shares[rank], rank) for rank in sorted(ranks)]
+    estimates = [_rank_estimate(model, layout, workload, shares[rank], rank, backend) for rank in sorted(ranks)]
     return max(estimates, key=lambda e: e.total)
 
 

@@ -177,9 +177,14 @@ def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cl
     if error:
         raise ValueError(error.replace("parallel.tp", "layout tp"))
     time = step_time(model, layout, workload, cluster)
-    memory = estimate_memory(model, layout, workload)
+    memory = estimate_memory(model, layout, workload, backend(cluster))
     usable = usable_bytes(cluster.gpu)
     return Candidate(layout, memory, time, memory.total <= usable, usable)
+
+
+def backend(cluster: Cluster) -> str:
+    """The collectives' backend `meshfit train` uses on this cluster's devices."""
+    return "gloo" if cluster.gpu.name == CPU else "nccl"
 
 
 def search(model: ModelConfig, workload: Workload, cluster: Cluster, *, model_name: str = "custom",
@@ -194,7 +199,7 @@ def search(model: ModelConfig, workload: Workload, cluster: Cluster, *, model_na
             time = step_time(model, layout, workload, cluster)
         except ValueError:
             continue
-        memory = estimate_memory(model, layout, workload)
+        memory = estimate_memory(model, layout, workload, backend(cluster))
         candidates.append(Candidate(layout, memory, time, memory.total <= usable, usable))
     candidates.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s if c.fits else c.memory.total))
     return Plan(model=model, model_name=model_name, workload=workload, cluster=cluster, candidates=candidates)
