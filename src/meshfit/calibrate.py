@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
+from meshfit.planner.timing import ring_terms
 from meshfit.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -175,15 +176,6 @@ def _collective(op: str, group: Any, rank: int, size: int, nbytes: int, device: 
     return seconds / 2 if op == "send_recv" else seconds
 
 
-# Bytes each rank moves per byte of the buffer (nccl-tests' bus bandwidth), and ring hops per call.
-def _bus_factor(op: str, n: int) -> float:
-    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
-
-
-def _hops(op: str, n: int) -> int:
-    return {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(op, n - 1)
-
-
 def group_sizes(world: int) -> list[int]:
     """Group sizes to measure: powers of two up to the world, and the world."""
     sizes = {world} if world > 1 else set()
@@ -223,8 +215,9 @@ def _link(op: str, group: Any, rank: int, n: int, big: int, small: int, device: 
     """Bus bandwidth from a large message, per-hop latency from a small one."""
     t_big = _collective(op, group, rank, n, big, device, target_s)
     t_small = _collective(op, group, rank, n, small, device, target_s)
-    bus = _bus_factor(op, n) * big / t_big
-    latency = max(0.0, t_small - _bus_factor(op, n) * small / bus) / _hops(op, n)
+    moved, hops = ring_terms(op, n)  # the time model's ring, read backwards
+    bus = moved * big / t_big
+    latency = max(0.0, t_small - moved * small / bus) / hops
     return {"bus_bytes_per_s": bus, "latency_s": latency}
 
 

@@ -133,24 +133,35 @@ def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_c
     return sum(counts[s] for s in worst), 0 in worst, last in worst
 
 
-def _link(cluster: Cluster, stride: int, size: int, op: str = "all_reduce") -> tuple[float, float]:
+def _link(cluster: Cluster, stride: int, size: int, op: str) -> tuple[float, float]:
     """(bytes/s per GPU, latency per hop) of ``op`` over ``size`` ranks ``stride`` apart in rank order: the
     calibrated rates when the device has a profile, else the datasheet link at COLLECTIVE_BW_EFFICIENCY."""
     gpu = cluster.gpu
     if gpu.profile is not None:
-        # A group of one does not communicate (its ring costs nothing whatever the link).
-        return gpu.profile.link(size, op) if size > 1 else (1.0, 0.0)
+        return gpu.profile.link(size, op)
     if stride * size > cluster.gpus_per_node:
         return gpu.inter_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTER_S
     return gpu.intra_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTRA_S
 
 
-def _ring(n: int, nbytes: float, link: tuple[float, float], phases: int = 1, calls: float = 1.0) -> float:
-    """Ring collective over n ranks of an ``nbytes`` buffer: phases=1 all-gather/reduce-scatter, 2 all-reduce."""
+def ring_terms(op: str, n: int) -> tuple[float, int]:
+    """(bytes each rank moves per byte of the buffer, latency hops) of ``op`` as a ring over ``n`` ranks:
+    all-reduce is a reduce-scatter then an all-gather; send/recv is one message (nccl-tests' bus bandwidth
+    uses the same factors, so `meshfit calibrate` reads them back from measured times)."""
+    if op == "send_recv":
+        return 1.0, 1
+    phases = 2 if op == "all_reduce" else 1
+    return phases * (n - 1) / n, phases * (n - 1)
+
+
+def _ring(cluster: Cluster, op: str, stride: int, n: int, nbytes: float, calls: float = 1.0) -> float:
+    """Seconds of ``calls`` ring collectives ``op`` over n ranks ``stride`` apart moving an ``nbytes`` buffer
+    in all."""
     if n == 1:
         return 0.0
-    bw, alpha = link
-    return phases * ((n - 1) / n * nbytes / bw + calls * alpha * (n - 1))
+    bw, alpha = _link(cluster, stride, n, op)
+    moved, hops = ring_terms(op, n)
+    return moved * nbytes / bw + calls * alpha * hops
 
 
 def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: int, cbytes: int,
@@ -158,16 +169,15 @@ def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: in
     """Tensor-parallel collective seconds of one micro-batch on the bottleneck rank."""
     tp = layout.tp
     blocks, has_embed, has_head = rank
-    link = _link(cluster, 1, tp, "all_reduce")
     per_block = 6 if layout.activation_checkpointing == "full" else 4  # all-reduce equivalents
     # Embedding (vocab-parallel rows): one reduction in forward (a reduce-scatter with SP, except GPT's,
     # whose learned positions are added to the full sequence). Head (vocab-parallel columns): its input
     # gradient is reduced in backward (with SP the input is gathered in forward and scattered back).
     embed = 0.5 if layout.sp and model.family == "llama" else 1.0
     n_ar = blocks * per_block + embed * has_embed + has_head
-    t = n_ar * _ring(tp, mb_tokens * model.dim * cbytes, link, phases=2)
+    t = n_ar * _ring(cluster, "all_reduce", 1, tp, mb_tokens * model.dim * cbytes)
     if has_head and not layout.loss_parallel:  # vocab-sharded logits are gathered for the loss
-        t += _ring(tp, mb_tokens * model.padded_vocab * cbytes, _link(cluster, 1, tp, "all_gather"))
+        t += _ring(cluster, "all_gather", 1, tp, mb_tokens * model.padded_vocab * cbytes)
     return t
 
 
@@ -190,16 +200,13 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
     if kind in ("none", "ddp"):
         grads = rank_params * sbytes
         backward_last = ((compute_s - recompute_s) * 2.0 / 3.0 + recompute_s) / m
-        t = _ring(layout.dp, grads, _link(cluster, tp, layout.dp, "all_reduce"), 2,
-                  math.ceil(grads / DDP_BUCKET_BYTES))
+        t = _ring(cluster, "all_reduce", tp, layout.dp, grads, math.ceil(grads / DDP_BUCKET_BYTES))
         return max(0.0, t - overlap * backward_last), 0, 0
     calls = blocks + 1  # one gather/reduction per block plus the root module (embeddings, norm, head)
-    gather = (_ring(shard, rank_params * cbytes, _link(cluster, tp, shard, "all_gather"), calls=calls)
-              if kind == "fsdp" else 0.0)
+    gather = _ring(cluster, "all_gather", tp, shard, rank_params * cbytes, calls) if kind == "fsdp" else 0.0
     rbytes = cbytes if layout.zero_stage == 1 else sbytes
-    reduce = (_ring(shard, rank_params * rbytes, _link(cluster, tp, shard, "reduce_scatter"), calls=calls)
-              + _ring(replicate, rank_params * rbytes / shard, _link(cluster, tp * shard, replicate, "all_reduce"), 2,
-                      calls))
+    reduce = (_ring(cluster, "reduce_scatter", tp, shard, rank_params * rbytes, calls)
+              + _ring(cluster, "all_reduce", tp * shard, replicate, rank_params * rbytes / shard, calls))
     if layout.pp == 1:
         gathers = 2 * m if layout.zero_stage in (0, 3) else 1
         reductions = 1 if layout.zero_stage <= 1 else m
