@@ -64,6 +64,30 @@ def test_known_answer_compute_and_collectives_on_measured_rates():
     assert z3.dp_comm_s == pytest.approx(2 * gather + reduce)
 
 
+def test_a_measured_tensor_parallel_rate_replaces_the_split_compute_and_its_collectives():
+    # Without a measured rate: 1/t of the FLOPs at the model's rate plus the modelled all-reduces.
+    modelled = _time(Layout(tp=2), _profile())
+    tokens = WORK.global_batch * WORK.seq_len
+    fpt = flops_per_token(TINY, WORK.seq_len)
+    assert modelled.compute_s == pytest.approx(tokens * fpt / 2 / 1e10) and modelled.tp_comm_s > 0
+    # With one (collectives inside it): the same FLOPs at the measured rate plus the fixed cost per block and
+    # micro-batch, no collectives on top; the variant follows the layout's sequence parallelism, other
+    # degrees and layouts keep the model.
+    def measured(flops: float, call_s: float) -> dict:
+        return {"flops": {"fp32": flops, "bf16": flops}, "block_call_s": {"fp32": call_s, "bf16": call_s}}
+
+    rates = {2: {"plain": measured(4e9, 0.0), "sp": measured(5e9, 1e-3)}}
+    profile = HardwareProfile.model_validate({**_profile().model_dump(), "tp_flops": rates})
+    plain, sp = _time(Layout(tp=2), profile), _time(Layout(tp=2, sp=True, micro_batch=2), profile)
+    assert plain.compute_s == pytest.approx(tokens * fpt / 2 / 4e9) and plain.tp_comm_s == 0
+    calls = TINY.n_layers * WORK.global_batch // 2  # blocks × micro-batches
+    assert sp.compute_s == pytest.approx(tokens * fpt / 2 / 5e9 + calls * 1e-3) and sp.tp_comm_s == 0
+    assert plain.total_s > modelled.total_s  # 4e9 per rank is slower than 1e10 plus the modelled comm
+    assert _time(Layout(dp_replicate=2), profile).compute_s == pytest.approx(
+        _time(Layout(dp_replicate=2), _profile()).compute_s)
+    assert _time(Layout(tp=2, dp_shard=1), profile).compute_s == plain.compute_s
+
+
 def test_measured_rates_order_layouts_and_overlap_hides_communication():
     slow, fast = _profile(ar=1e8, ag=1e8, rs=1e8), _profile(ar=1e10, ag=1e10, rs=1e10)
     for layout in (Layout(dp_replicate=2), Layout(dp_shard=2, zero_stage=3), Layout(tp=2)):
@@ -82,6 +106,10 @@ def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys):
     profile = load_profile(out)
     assert profile.device == "cpu" and profile.backend == "gloo" and profile.ranks == 2
     assert set(profile.collectives) == {2} and profile.model_flops.fp32 > 0 and profile.seq == 64
+    # tiny's 4 heads split over 2 ranks: tensor parallelism measured, with and without sequence parallelism.
+    assert set(profile.tp_flops) == {2} and set(profile.tp_flops[2]) == {"plain", "sp"}
+    assert 0 < profile.tp_flops[2]["plain"].flops.fp32 < 10 * profile.model_flops.fp32
+    assert profile.tp_flops[2]["sp"].block_call_s.fp32 >= 0
     capsys.readouterr()
     assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpu-memory", "80MiB", "--gpus-per-node", "2",
                  "--hardware", str(out), "--seq-len", "64", "--global-batch", "8", "--precision", "fp32",

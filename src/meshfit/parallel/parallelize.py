@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshfit.config import ParallelSection
 from meshfit.models import ModelConfig, init_weights
@@ -22,6 +23,25 @@ from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.sp_regather import regather_in_backward
 from meshfit.parallel.tensor_parallel import apply_tensor_parallel, gathered_input_regions
+
+
+def apply_model_parallel(model: nn.Module, model_cfg: ModelConfig, tp_mesh: DeviceMesh | None,
+                         parallel: ParallelSection) -> None:
+    """The layout's steps inside the model, on meta: tensor (and sequence) parallelism over `tp_mesh`
+    (None: no tensor parallelism), then activation checkpointing."""
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, model_cfg, tp_mesh, sp=parallel.sp, loss_parallel=parallel.loss_parallel)
+    if parallel.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
+    if tp_mesh is not None and parallel.sp:
+        # Blocks that keep their graph keep only the sequence shard of their gathered inputs; checkpointed
+        # blocks keep nothing of them anyway.
+        for block in model.layers.values():
+            if keeps_block_graph(block):
+                for region, projections in gathered_input_regions(block, model_cfg.family):
+                    regather_in_backward(region, projections)
+        if model.output is not None:  # the head gathers the final norm's output itself
+            regather_in_backward(model.output, [model.output])
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
@@ -34,20 +54,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
     `materialize` is entered around the steps that allocate (materialization, initialization, DDP): a
     dry run passes a FakeTensorMode there, while the layout itself is applied on meta outside it.
     """
-    if dims.tp > 1:
-        apply_tensor_parallel(model, model_cfg, meshes.world["tp"], sp=parallel.sp,
-                              loss_parallel=parallel.loss_parallel)
-    if parallel.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
-    if dims.tp > 1 and parallel.sp:
-        # Blocks that keep their graph keep only the sequence shard of their gathered inputs; checkpointed
-        # blocks keep nothing of them anyway.
-        for block in model.layers.values():
-            if keeps_block_graph(block):
-                for region, projections in gathered_input_regions(block, model_cfg.family):
-                    regather_in_backward(region, projections)
-        if model.output is not None:  # the head gathers the final norm's output itself
-            regather_in_backward(model.output, [model.output])
+    apply_model_parallel(model, model_cfg, meshes.world["tp"] if dims.tp > 1 else None, parallel)
     kind = data_parallel_kind(zero_stage, dims.dp, dims.tp, mixed_precision)
     # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
     if kind in ("fsdp", "replicas"):

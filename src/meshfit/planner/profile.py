@@ -13,6 +13,9 @@ as training's ranks do), so the planner uses it as is: no efficiency factor on t
                                                               # counted as 12·s·h FLOPs per token (as planned)
       "model_flops": {"fp32": FLOP/s, "bf16": FLOP/s}, "seq": 256,  # optional (calibrate --model): the model's
                                                               # own forward + loss + backward at dim and seq
+      "tp_flops": {"2": {"plain": {"flops": {"fp32": .., "bf16": ..}, "block_call_s": {"fp32": s, ..}},
+                         "sp": {...}}},                       # optional (--model, N ≥ 2): the same blocks
+                                                              # tensor-parallel over t ranks (calibrate_tp.py)
       "elementwise_bytes_per_s": bytes/s,                     # the fused AdamW step's reads + writes
       "collectives": {"2": {"all_reduce": {"bus_bytes_per_s": .., "latency_s": ..},
                             "all_gather": {...}, "reduce_scatter": {...}, "send_recv": {...}}, "4": ...},
@@ -54,6 +57,24 @@ class Rates(BaseModel):
     bf16: float = Field(gt=0)
 
 
+class Seconds(BaseModel):
+    """One measured time per compute dtype (may be 0)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    fp32: float = Field(ge=0)
+    bf16: float = Field(ge=0)
+
+
+class TPRates(BaseModel):
+    """The model's blocks trained tensor-parallel: FLOP/s per rank (by flops_per_token / t per token) and a
+    fixed cost per block and micro-batch (DTensor dispatch, collective latencies); with both the
+    layout's collectives are in them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    flops: Rates
+    block_call_s: Seconds
+
+
 class GroupLinks(BaseModel):
     """The collectives of one group size."""
 
@@ -82,6 +103,9 @@ class HardwareProfile(BaseModel):
     # flops_per_token's count, so element-wise work and per-operator overhead are in it. Optional.
     model_flops: Rates | None = None
     seq: int = Field(default=0, ge=0)
+    # The same blocks tensor-parallel over t ranks ("plain", or "sp" with sequence and loss parallelism):
+    # unsplit element-wise work, DTensor dispatch and the activations' collectives are in them. Optional.
+    tp_flops: dict[int, dict[Literal["plain", "sp"], TPRates]] = {}
     elementwise_bytes_per_s: float = Field(gt=0)
     collectives: dict[int, GroupLinks] = {}
     overlap: float = Field(default=0.0, ge=0, le=1)
@@ -98,6 +122,15 @@ class HardwareProfile(BaseModel):
         if self.model_flops is not None:
             return getattr(self.model_flops, key)
         return getattr(self.attention_flops if attention else self.matmul_flops, key)
+
+    def tp_rate(self, precision: str, tp: int, sp: bool) -> tuple[float, float] | None:
+        """(FLOP/s per rank, seconds per block and micro-batch) measured for a tensor-parallel rank
+        (tp_flops), None when not measured."""
+        rates = self.tp_flops.get(tp, {}).get("sp" if sp else "plain")
+        if rates is None:
+            return None
+        key = "fp32" if precision == "fp32" else "bf16"
+        return getattr(rates.flops, key), getattr(rates.block_call_s, key)
 
     def link(self, size: int, op: str) -> tuple[float, float]:
         """(bus bytes/s, latency per hop) of ``op`` over ``size`` ranks: the measured group size, else the

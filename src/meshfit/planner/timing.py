@@ -285,16 +285,25 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     # A calibrated device has its own (fused) attention rate; the datasheet model runs attention at the
     # matmul rate.
     attn_rate = prof.flops(precision, attention=True) * efficiency if prof is not None else rate
+    # A tensor-parallel rate measured on the model itself (calibrate --model) holds what the split costs
+    # beyond the split matmuls, its collectives included: they are not added again below.
+    tp_rate = prof.tp_rate(precision, tp, layout.sp) if prof is not None and tp > 1 else None
+    tp_fixed_s = 0.0
+    if tp_rate is not None:
+        rate = attn_rate = tp_rate[0] * efficiency
+        # Per block and micro-batch; a re-run forward adds its share as it does of the FLOPs (a third).
+        tp_fixed_s = tp_rate[1] * blocks * m * (1.0 + rerun / 3.0)
     tokens = local * s  # tokens of this rank's sequences per step
 
     def seconds(flops: float, core: float) -> float:  # matmul FLOPs (attention core included) per token
         return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
 
-    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core)
-    recompute_s = seconds(redo, redo_core)
+    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s
+    recompute_s = seconds(redo, redo_core) + tp_fixed_s * (rerun / 3.0) / (1.0 + rerun / 3.0)
 
     mb_tokens = layout.micro_batch * s
-    tp_comm_s = m * _tp_comm(model, layout, cluster, mb_tokens, cbytes, rank) if tp > 1 else 0.0
+    tp_comm_s = m * _tp_comm(model, layout, cluster, mb_tokens, cbytes, rank) if tp > 1 and tp_rate is None \
+        else 0.0
     rank_params = n_params / (tp * pp)
     # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
     dp_comm_s, gathers, reductions = _dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
