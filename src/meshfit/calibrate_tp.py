@@ -3,8 +3,8 @@
 Splitting a block's matmuls over t ranks does not divide its time by t: without sequence parallelism the
 norms, residual adds and the loss stay whole on every rank, each split layer runs through DTensor's
 per-operator dispatch, and the activations are all-reduced (or, with sequence parallelism, gathered and
-scattered) in forward and backward. On a GPU with fast links that is a few percent; on CPU ranks it was
-measured at 1.5–1.8× the time of the split matmuls alone. Rather than model each of these, this measures
+scattered) in forward and backward. On 2 CPU ranks, `small`'s first two blocks took
+1.6× (8 sequences of 256 tokens) to 2.9× (2 sequences) half the time of one unsplit rank. Rather than model each of these, this measures
 them: the model's first blocks, laid out by meshfit's own tensor-parallel code (`apply_model_parallel`,
 what `meshfit train` runs), trained at every tensor-parallel degree the ranks allow, with and without
 sequence parallelism. The rate is counted as the planner counts a tensor-parallel rank's work,
@@ -67,8 +67,8 @@ def tp_rates(device: Any, dtypes: dict[str, Any], model: ModelConfig, seq: int, 
 
     Each is timed at two batch sizes: the time grows with the tokens at the "flops" rate, and what it does
     not grow by (DTensor's dispatch, collective latencies) is a fixed cost per block and micro-batch,
-    "block_call_s" (on CPU ranks about 30 ms per block for `small`, more than the split matmuls of a
-    sequence)."""
+    "block_call_s" (measured at 34–65 ms per block for `small` on 2 CPU ranks, more than the split matmuls
+    of a 256-token sequence)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
