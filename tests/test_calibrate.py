@@ -78,14 +78,25 @@ def test_a_measured_tensor_parallel_rate_replaces_the_split_compute_and_its_coll
 
     rates = {2: {"plain": measured(4e9, 0.0), "sp": measured(5e9, 1e-3)}}
     profile = HardwareProfile.model_validate({**_profile().model_dump(), "tp_flops": rates})
-    plain, sp = _time(Layout(tp=2), profile), _time(Layout(tp=2, sp=True, micro_batch=2), profile)
+    plain = _time(Layout(tp=2), profile)
+    sp = _time(Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), profile)
     assert plain.compute_s == pytest.approx(tokens * fpt / 2 / 4e9) and plain.tp_comm_s == 0
     calls = TINY.n_layers * WORK.global_batch // 2  # blocks × micro-batches
     assert sp.compute_s == pytest.approx(tokens * fpt / 2 / 5e9 + calls * 1e-3) and sp.tp_comm_s == 0
     assert plain.total_s > modelled.total_s  # 4e9 per rank is slower than 1e10 plus the modelled comm
     assert _time(Layout(dp_replicate=2), profile).compute_s == pytest.approx(
         _time(Layout(dp_replicate=2), _profile()).compute_s)
-    assert _time(Layout(tp=2, dp_shard=1), profile).compute_s == plain.compute_s
+    # Full recompute re-runs each block's forward: a third more of the fixed cost, as of the FLOPs.
+    full = _time(Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2, activation_checkpointing="full"),
+                 profile)
+    assert full.compute_s - full.recompute_s == pytest.approx(sp.compute_s)
+    free = HardwareProfile.model_validate({**_profile().model_dump(), "tp_flops": {2: {"sp": measured(5e9, 0.0)}}})
+    no_fixed = _time(Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2, activation_checkpointing="full"),
+                     free)
+    assert full.recompute_s - no_fixed.recompute_s == pytest.approx(calls * 1e-3 / 3)
+    # Measured with sequence and loss parallelism together: one without the other keeps the model.
+    assert _time(Layout(tp=2, sp=True), profile).tp_comm_s > 0
+    assert _time(Layout(tp=2, loss_parallel=True), profile).tp_comm_s > 0
 
 
 def test_measured_rates_order_layouts_and_overlap_hides_communication():

@@ -18,8 +18,8 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshfit.calibrate_tp import tp_rates
-from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates, Seconds, TPRates
+from meshfit.calibrate_tp import model_for_rates, slowest_tp, tp_rates
+from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
 from meshfit.planner.timing import ring_terms
 from meshfit.units import fmt_bytes
 
@@ -115,7 +115,6 @@ def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, targ
     import torch
     import torch.nn.functional as F
 
-    from meshfit.calibrate_tp import model_for_rates
     from meshfit.models import build_model, flops_per_token
 
     cfg = model_for_rates(model, seq)
@@ -282,7 +281,8 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
                                                                   3 * target)
             say(f"model {name} (seq {seq}): {out['model_flops'][name] / 1e9:.1f} GFLOP/s per rank, training")
     if model is not None and world > 1:
-        out["tp_flops"] = tp_rates(device, dtypes, model, seq, tokens, 3 * target, _timed_together,
+        # Two batch sizes per point and a difference of their times: longer, for a steadier fit.
+        out["tp_flops"] = tp_rates(device, dtypes, model, seq, tokens, 5 * target, _timed_together,
                                    group_sizes(world), say)
     dist.barrier()
     numel = (1 << 22) if device.type == "cpu" else (1 << 26)
@@ -320,16 +320,6 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def _slowest_tp(ranks: list[dict[str, Any]]) -> dict[int, dict[str, TPRates]]:
-    """The slowest rank's tensor-parallel rate and largest fixed cost per degree, variant and dtype."""
-    def worst(t: int, v: str, key: str, pick: Callable[..., float]) -> dict[str, float]:
-        return {d: pick(r["tp_flops"][t][v][key][d] for r in ranks) for d in DTYPES}
-
-    return {t: {v: TPRates(flops=Rates(**worst(t, v, "flops", min)),
-                           block_call_s=Seconds(**worst(t, v, "block_call_s", max)))
-                for v in variants} for t, variants in ranks[0].get("tp_flops", {}).items()}
-
-
 class CalibrationError(RuntimeError):
     """The measurement could not run (bad --nproc for the devices, a rank failed); the message says why."""
 
@@ -363,7 +353,7 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Mo
         ranks=nproc, threads_per_rank=threads, memory_bytes=first.get("memory_bytes"),
         matmul_flops=slowest["matmul_flops"], attention_flops=slowest["attention_flops"],
         model_flops=slowest.get("model_flops"), seq=seq if model is not None else 0,
-        tp_flops=_slowest_tp(ranks),
+        tp_flops=slowest_tp(ranks),
         elementwise_bytes_per_s=min(r["elementwise_bytes_per_s"] for r in ranks),
         collectives=first["collectives"], overlap=first.get("overlap", 0.0),
         host_device_bytes_per_s=first.get("host_device_bytes_per_s"), torch=torch.__version__,

@@ -100,8 +100,7 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
         lines.append(
             f"- Tensor parallelism splits every matmul within a node (tp ≤ {plan.cluster.gpus_per_node}): weights, "
             f"gradients, states and (with sequence parallelism) activations shrink by t. It costs collectives "
-            f"in every layer's forward and backward ({fmt_duration(tp.time.tp_comm_s)}/step for "
-            f"{tp.layout.describe()}), "
+            f"in every layer's forward and backward ({_tp_cost(tp)}), "
             "which only fast intra-node links make affordable.")
     lines += _megatron_lines(plan, usable)
     pp = _best(plan, lambda lay: lay.pp > 1) or _fastest_any(plan, lambda lay: lay.pp > 1)
@@ -179,3 +178,8 @@ def explain(plan: Plan) -> str:
     usable = usable_bytes(plan.cluster.gpu)
     return "\n".join(_states_section(plan, usable) + _technique_section(plan, usable) + _recommendation(plan, usable))
 
+
+def _tp_cost(candidate: Candidate) -> str:
+    if candidate.time.tp_comm_s == 0.0:  # a calibrated tensor-parallel rate holds its collectives
+        return f"measured within the compute of {candidate.layout.describe()} by the calibration"
+    return f"{fmt_duration(candidate.time.tp_comm_s)}/step for {candidate.layout.describe()}"

@@ -32,13 +32,22 @@ message (a ring all-reduce has 2(n−1) hops, all-gather and reduce-scatter n−
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from meshfit.jsonfile import read_json_object
 
 FORMAT = "meshfit-hardware-profile/1"
+
+
+# Tensor-parallel measurements: without sequence parallelism, and with sequence and loss parallelism.
+TP_VARIANTS = ("plain", "sp")
+
+
+def dtype_key(precision: str) -> str:
+    """The measured dtype of a planner precision: "fp32" computes in fp32, "mixed"/"bf16" in bf16."""
+    return "fp32" if precision == "fp32" else "bf16"
 
 
 class Link(BaseModel):
@@ -105,7 +114,7 @@ class HardwareProfile(BaseModel):
     seq: int = Field(default=0, ge=0)
     # The same blocks tensor-parallel over t ranks ("plain", or "sp" with sequence and loss parallelism):
     # unsplit element-wise work, DTensor dispatch and the activations' collectives are in them. Optional.
-    tp_flops: dict[int, dict[Literal["plain", "sp"], TPRates]] = {}
+    tp_flops: dict[Annotated[int, Field(ge=2)], dict[Literal[TP_VARIANTS], TPRates]] = {}
     elementwise_bytes_per_s: float = Field(gt=0)
     collectives: dict[int, GroupLinks] = {}
     overlap: float = Field(default=0.0, ge=0, le=1)
@@ -118,7 +127,7 @@ class HardwareProfile(BaseModel):
         """Measured FLOP/s for a planner precision ("fp32" computes in fp32, "mixed"/"bf16" in bf16): the
         model's training rate when calibrated with one (attention included), else the matmul or attention
         kernel rate."""
-        key = "fp32" if precision == "fp32" else "bf16"
+        key = dtype_key(precision)
         if self.model_flops is not None:
             return getattr(self.model_flops, key)
         return getattr(self.attention_flops if attention else self.matmul_flops, key)
@@ -126,10 +135,10 @@ class HardwareProfile(BaseModel):
     def tp_rate(self, precision: str, tp: int, sp: bool) -> tuple[float, float] | None:
         """(FLOP/s per rank, seconds per block and micro-batch) measured for a tensor-parallel rank
         (tp_flops), None when not measured."""
-        rates = self.tp_flops.get(tp, {}).get("sp" if sp else "plain")
+        rates = self.tp_flops.get(tp, {}).get(TP_VARIANTS[sp])
         if rates is None:
             return None
-        key = "fp32" if precision == "fp32" else "bf16"
+        key = dtype_key(precision)
         return getattr(rates.flops, key), getattr(rates.block_call_s, key)
 
     def link(self, size: int, op: str) -> tuple[float, float]:

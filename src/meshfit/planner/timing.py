@@ -286,8 +286,10 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     # matmul rate.
     attn_rate = prof.flops(precision, attention=True) * efficiency if prof is not None else rate
     # A tensor-parallel rate measured on the model itself (calibrate --model) holds what the split costs
-    # beyond the split matmuls, its collectives included: they are not added again below.
-    tp_rate = prof.tp_rate(precision, tp, layout.sp) if prof is not None and tp > 1 else None
+    # beyond the split matmuls, its collectives included: they are not added again below. It was measured
+    # with sequence and loss parallelism both on or both off.
+    measured_tp = prof is not None and tp > 1 and layout.sp == layout.loss_parallel
+    tp_rate = prof.tp_rate(precision, tp, layout.sp) if measured_tp else None
     tp_fixed_s = 0.0
     if tp_rate is not None:
         rate = attn_rate = tp_rate[0] * efficiency
@@ -302,8 +304,9 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     recompute_s = seconds(redo, redo_core) + tp_fixed_s * (rerun / 3.0) / (1.0 + rerun / 3.0)
 
     mb_tokens = layout.micro_batch * s
-    tp_comm_s = m * _tp_comm(model, layout, cluster, mb_tokens, cbytes, rank) if tp > 1 and tp_rate is None \
-        else 0.0
+    tp_comm_s = 0.0
+    if tp > 1 and tp_rate is None:
+        tp_comm_s = m * _tp_comm(model, layout, cluster, mb_tokens, cbytes, rank)
     rank_params = n_params / (tp * pp)
     # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
     dp_comm_s, gathers, reductions = _dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
