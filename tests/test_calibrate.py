@@ -11,7 +11,7 @@ from meshfit.models.config import flops_per_token, num_params
 from meshfit.models.presets import get_preset
 from meshfit.planner.hardware import Cluster, cpu_device
 from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.profile import HardwareProfile, Link, Seconds, load_profile, save_profile
+from meshfit.planner.profile import HardwareProfile, Link, load_profile, save_profile
 from meshfit.planner.timing import DDP_BUCKET_BYTES, step_time
 
 TINY = get_preset("tiny")
@@ -62,13 +62,6 @@ def test_known_answer_compute_and_collectives_on_measured_rates():
     gather = 0.5 * num_params(TINY) * 4 / 2e9 + units * 1e-4
     reduce = 0.5 * num_params(TINY) * 4 / 0.5e9 + units * 1e-4
     assert z3.dp_comm_s == pytest.approx(2 * gather + reduce)
-    # FSDP's own host time per unit and collective call (calibrated), never hidden: 2 gathers and 1
-    # reduction per unit; DDP has none.
-    hosted = _profile(overlap=1.0).model_copy(update={"fsdp_call_s": Seconds(fp32=1e-3, bf16=2e-3)})
-    assert _time(Layout(dp_shard=2, zero_stage=3, micro_batch=4), hosted).dp_comm_s == pytest.approx(
-        units * 3 * 1e-3)
-    assert _time(Layout(dp_replicate=2), hosted).dp_comm_s == _time(Layout(dp_replicate=2), _profile(
-        overlap=1.0)).dp_comm_s
 
 
 def test_a_measured_tensor_parallel_rate_replaces_the_split_compute_and_its_collectives():
@@ -127,7 +120,7 @@ def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys):
     # tiny's 4 heads split over 2 ranks: tensor parallelism measured, with and without sequence parallelism.
     assert set(profile.tp_flops) == {2} and set(profile.tp_flops[2]) == {"plain", "sp"}
     assert 0 < profile.tp_flops[2]["plain"].flops.fp32 < 10 * profile.model_flops.fp32
-    assert profile.tp_flops[2]["sp"].block_call_s.fp32 >= 0 and profile.fsdp_call_s.fp32 >= 0
+    assert profile.tp_flops[2]["sp"].block_call_s.fp32 >= 0
     capsys.readouterr()
     assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpu-memory", "80MiB", "--gpus-per-node", "2",
                  "--hardware", str(out), "--seq-len", "64", "--global-batch", "8", "--precision", "fp32",

@@ -5,9 +5,8 @@ intra-op threads the launcher gives them): matmuls at a transformer block's shap
 backward products) per dtype, fused causal attention forward + backward, the fused AdamW step's memory
 traffic, the collectives meshfit uses per group size (large messages for bus bandwidth, small ones for
 latency), how much of an all-reduce a concurrent matmul hides, and on CUDA pinned host↔device copies.
-With a model also its own training rate, and on several ranks that of its blocks laid out tensor-parallel
-(calibrate_tp.py) and FSDP2's host time per unit (calibrate_fsdp.py).
-The slowest rank's compute rates are kept (it sets the step's pace).
+With a model also its own training rate and, on several ranks, that of its blocks laid out
+tensor-parallel (calibrate_tp.py). The slowest rank's compute rates are kept (it sets the step's pace).
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshfit.calibrate_fsdp import fsdp_call_s
 from meshfit.calibrate_tp import model_for_rates, slowest_tp, tp_rates
-from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates, Seconds
+from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
 from meshfit.planner.timing import ring_terms
 from meshfit.units import fmt_bytes
 
@@ -295,9 +293,6 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
     if quick:
         big //= 4
     out["collectives"] = _collectives(device, big, small, target, say) if world > 1 else {}
-    if model is not None and world > 1:
-        out["fsdp_call_s"] = fsdp_call_s(device, list(DTYPES), model, seq, tokens, 6 * target,
-                                         out["collectives"][world], say)
     if world > 1:
         everyone = dist.new_group(list(range(world)), backend="nccl") if cuda else None
         out["overlap"] = _overlap(device, dim, tokens, big, 2 * target, everyone)
@@ -360,8 +355,6 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Mo
         matmul_flops=slowest["matmul_flops"], attention_flops=slowest["attention_flops"],
         model_flops=slowest.get("model_flops"), seq=seq if model is not None else 0,
         tp_flops=slowest_tp(ranks),
-        fsdp_call_s=Seconds(**{d: max(r["fsdp_call_s"][d] for r in ranks) for d in DTYPES})
-        if "fsdp_call_s" in first else None,
         elementwise_bytes_per_s=min(r["elementwise_bytes_per_s"] for r in ranks),
         collectives=first["collectives"], overlap=first.get("overlap", 0.0),
         host_device_bytes_per_s=first.get("host_device_bytes_per_s"), torch=torch.__version__,

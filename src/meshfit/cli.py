@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--model", metavar="PRESET|config.json",
                      help="also measure this model's own training rate (its first two blocks, embeddings, head "
                           "and loss), which the planner then uses for compute, and with --nproc ≥ 2 the same "
-                          "blocks tensor-parallel and FSDP-sharded (about 25 s more on 2 CPU ranks); sets --dim")
+                          "blocks tensor-parallel (about 20 s more on 2 CPU ranks); sets --dim")
     cal.add_argument("--seq-len", type=positive_int, default=None, metavar="S",
                      help="sequence length for --model (default 2048; 256 on CPU)")
     cal.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

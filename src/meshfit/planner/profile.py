@@ -16,9 +16,6 @@ as training's ranks do), so the planner uses it as is: no efficiency factor on t
       "tp_flops": {"2": {"plain": {"flops": {"fp32": .., "bf16": ..}, "block_call_s": {"fp32": s, ..}},
                          "sp": {...}}},                       # optional (--model, N ≥ 2): the same blocks
                                                               # tensor-parallel over t ranks (calibrate_tp.py)
-      "fsdp_call_s": {"fp32": s, "bf16": s},                  # optional (--model, N ≥ 2): FSDP2's own
-                                                              # time per unit and collective call
-                                                              # beyond the collective (calibrate_fsdp.py)
       "elementwise_bytes_per_s": bytes/s,                     # the fused AdamW step's reads + writes
       "collectives": {"2": {"all_reduce": {"bus_bytes_per_s": .., "latency_s": ..},
                             "all_gather": {...}, "reduce_scatter": {...}, "send_recv": {...}}, "4": ...},
@@ -118,9 +115,6 @@ class HardwareProfile(BaseModel):
     # The same blocks tensor-parallel over t ranks ("plain", or "sp" with sequence and loss parallelism):
     # unsplit element-wise work, DTensor dispatch and the activations' collectives are in them. Optional.
     tp_flops: dict[Annotated[int, Field(ge=2)], dict[Literal[TP_VARIANTS], TPRates]] = {}
-    # FSDP2's own time per unit and all-gather or reduce-scatter beyond the collective itself (copies,
-    # hooks, waits on the host), measured on the model's blocks sharded as ZeRO-3. Optional.
-    fsdp_call_s: Seconds | None = None
     elementwise_bytes_per_s: float = Field(gt=0)
     collectives: dict[int, GroupLinks] = {}
     overlap: float = Field(default=0.0, ge=0, le=1)
@@ -146,10 +140,6 @@ class HardwareProfile(BaseModel):
             return None
         key = dtype_key(precision)
         return getattr(rates.flops, key), getattr(rates.block_call_s, key)
-
-    def fsdp_call(self, precision: str) -> float:
-        """FSDP2's measured time per unit and collective call beyond the collective; 0 when not measured."""
-        return 0.0 if self.fsdp_call_s is None else getattr(self.fsdp_call_s, dtype_key(precision))
 
     def link(self, size: int, op: str) -> tuple[float, float]:
         """(bus bytes/s, latency per hop) of ``op`` over ``size`` ranks: the measured group size, else the

@@ -182,8 +182,7 @@ def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: in
 
 
 def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, m: int, compute_s: float,
-             recompute_s: float, cbytes: int, sbytes: int, overlap: float, call_s: float = 0.0
-             ) -> tuple[float, int, int]:
+             recompute_s: float, cbytes: int, sbytes: int, overlap: float) -> tuple[float, int, int]:
     """(exposed data-parallel seconds, parameter gathers per step, gradient reductions per step).
 
     DDP (stage 0) all-reduces the gradients once, during the last micro-batch's backward (no_sync before).
@@ -194,7 +193,7 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
     tensor-parallel weights, or under mixed precision) all-reduce once per step, as DDP does. Under a pipeline schedule torch's stages skip
     the gradient sync and the post-backward reshard until the step's end, so gradients are reduced once,
     exposed, and stages 1/2 gather once per step, stage 3 once per warm-up forward (min(p, m)) and once per
-    backward. ``call_s``: FSDP's own host time per unit and collective call (calibrated), never hidden.
+    backward.
     """
     tp, shard, replicate = layout.tp, layout.dp_shard, layout.dp_replicate
     kind = data_parallel_kind(layout.zero_stage, layout.dp, tp, cbytes == 2)
@@ -217,8 +216,7 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
         hidden, fixed = gathers * gather, reduce
     if kind == "replicas":
         gathers = 0  # the weights are whole: only compute-dtype casts, no communication
-    host = call_s * calls * (gathers + reductions)
-    return max(0.0, hidden - overlap * compute_s) + fixed + host, gathers, reductions
+    return max(0.0, hidden - overlap * compute_s) + fixed, gathers, reductions
 
 
 def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: float,
@@ -312,8 +310,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     rank_params = n_params / (tp * pp)
     # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
     dp_comm_s, gathers, reductions = _dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
-                                              cbytes, sbytes, dp_overlap,
-                                              prof.fsdp_call(precision) if prof is not None else 0.0)
+                                              cbytes, sbytes, dp_overlap)
 
     bubble_s = pp_comm_s = 0.0
     if pp > 1:
