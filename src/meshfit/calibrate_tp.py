@@ -21,8 +21,6 @@ from typing import Any
 from meshfit.models.config import ModelConfig
 from meshfit.planner.profile import TP_VARIANTS, Rates, Seconds, TPRates
 
-# The profile's keys: tensor parallelism alone, and with sequence and loss parallelism together.
-VARIANTS = dict(zip(TP_VARIANTS, (False, True), strict=True))
 # The larger batch must take this much longer than the smaller one for a fixed part to be fitted.
 FIT_MARGIN = 0.2
 
@@ -101,10 +99,10 @@ def tp_rates(device: Any, dtypes: dict[str, Any], model: ModelConfig, seq: int, 
         mesh = init_device_mesh(device.type, (world // t, t), mesh_dim_names=("rest", "tp"),
                                 backend_override=backend)["tp"]
         cfg = pad_vocab_for_tp(base, t)  # as training builds it
-        for variant, sp in VARIANTS.items():
+        for sp in (False, True):  # with sp, loss parallelism too (the profile's TP_VARIANTS)
             if tp_degree_error(cfg, t, seq, sp) is not None:
                 continue
-            entry = out.setdefault(t, {}).setdefault(variant, {"flops": {}, "block_call_s": {}})
+            entry = out.setdefault(t, {}).setdefault(TP_VARIANTS[sp], {"flops": {}, "block_call_s": {}})
             for name, dtype in dtypes.items():
                 dist.barrier()
                 per_seq, fixed = _fit(*(timed(_tp_step(cfg, seq, b, mesh, sp, dtype, device), device, target_s)

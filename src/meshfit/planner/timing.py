@@ -290,18 +290,19 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     # with sequence and loss parallelism both on or both off.
     measured_tp = prof is not None and tp > 1 and layout.sp == layout.loss_parallel
     tp_rate = prof.tp_rate(precision, tp, layout.sp) if measured_tp else None
-    tp_fixed_s = 0.0
+    tp_fixed_s = tp_redo_s = 0.0
     if tp_rate is not None:
         rate = attn_rate = tp_rate[0] * efficiency
         # Per block and micro-batch; a re-run forward adds its share as it does of the FLOPs (a third).
-        tp_fixed_s = tp_rate[1] * blocks * m * (1.0 + rerun / 3.0)
+        tp_fixed_s = tp_rate[1] * blocks * m
+        tp_redo_s = tp_fixed_s * rerun / 3.0
     tokens = local * s  # tokens of this rank's sequences per step
 
     def seconds(flops: float, core: float) -> float:  # matmul FLOPs (attention core included) per token
         return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
 
-    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s
-    recompute_s = seconds(redo, redo_core) + tp_fixed_s * (rerun / 3.0) / (1.0 + rerun / 3.0)
+    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s
+    recompute_s = seconds(redo, redo_core) + tp_redo_s
 
     mb_tokens = layout.micro_batch * s
     tp_comm_s = 0.0
