@@ -9,6 +9,7 @@ import pytest
 from meshfit.cli import main
 from meshfit.models.config import flops_per_token, num_params
 from meshfit.models.presets import get_preset
+from meshfit.models.traffic import elementwise_traffic
 from meshfit.planner.hardware import Cluster, cpu_device
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.profile import HardwareProfile, Link, load_profile, save_profile
@@ -18,14 +19,17 @@ TINY = get_preset("tiny")
 WORK = Workload(seq_len=64, global_batch=8, precision="fp32")
 
 
-def _profile(ar=1e9, ag=2e9, rs=0.5e9, latency=1e-4, flops=1e10, overlap=0.0) -> HardwareProfile:
+def _profile(ar=1e9, ag=2e9, rs=0.5e9, latency=1e-4, flops=1e10, overlap=0.0, model=True) -> HardwareProfile:
+    """Measured rates; ``model``: the model's own training rate too (calibrate --model), which holds the
+    element-wise work, so compute is the FLOPs at that rate alone."""
     links = {"all_reduce": Link(bus_bytes_per_s=ar, latency_s=latency),
              "all_gather": Link(bus_bytes_per_s=ag, latency_s=latency),
              "reduce_scatter": Link(bus_bytes_per_s=rs, latency_s=latency),
              "send_recv": Link(bus_bytes_per_s=ar, latency_s=latency)}
     return HardwareProfile(device="cpu", device_name="test", backend="gloo", ranks=2, threads_per_rank=1,
                            matmul_flops={"fp32": flops, "bf16": flops}, attention_flops={"fp32": flops, "bf16": flops},
-                           elementwise_bytes_per_s=1e10, collectives={2: links}, overlap=overlap)
+                           elementwise_bytes_per_s=1e10, collectives={2: links}, overlap=overlap,
+                           model_flops={"fp32": flops, "bf16": flops} if model else None, seq=64 if model else 0)
 
 
 def _time(layout: Layout, profile: HardwareProfile):
@@ -97,6 +101,17 @@ def test_a_measured_tensor_parallel_rate_replaces_the_split_compute_and_its_coll
     # Measured with sequence and loss parallelism together: one without the other keeps the model.
     assert _time(Layout(tp=2, sp=True), profile).tp_comm_s > 0
     assert _time(Layout(tp=2, loss_parallel=True), profile).tp_comm_s > 0
+
+
+def test_matmul_rates_alone_add_the_elementwise_traffic_at_the_measured_bandwidth():
+    # Without the model's own rate, compute is the FLOPs at the matmul rate plus the element-wise bytes at
+    # the measured element-wise rate (fp32 values: 4 bytes).
+    t = elementwise_traffic(TINY, 4)
+    tokens = WORK.global_batch // 2 * WORK.seq_len
+    ddp = _time(Layout(dp_replicate=2), _profile(model=False))
+    moved = TINY.n_layers * t.block + t.ends + t.vocab
+    assert ddp.compute_s == pytest.approx(tokens * flops_per_token(TINY, WORK.seq_len) / 1e10 + tokens * moved / 1e10)
+    assert ddp.compute_s > _time(Layout(dp_replicate=2), _profile()).compute_s
 
 
 def test_measured_rates_order_layouts_and_overlap_hides_communication():

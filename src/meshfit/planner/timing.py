@@ -9,6 +9,9 @@ literature it cites and the way meshfit's torch building blocks communicate:
   Activation recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models"): a checkpointed block re-runs its forward (+1/3 of its fwd+bwd FLOPs); "full"
   checkpoints every block, meshfit's "selective" every second one.
+* Element-wise kernels (norms, RoPE, activations, residual adds, casts, the loss's softmax) are memory-bound:
+  the bytes they read and write per token (``models.traffic``, counted from meshfit's model code) at the
+  memory bandwidth: the calibrated element-wise rate, else HBM_EFFICIENCY × the datasheet HBM rate.
 * Collectives are rings (Patarasuk & Yuan 2009; NCCL): all-reduce 2(n−1)/n · bytes/bw, all-gather and
   reduce-scatter (n−1)/n · bytes/bw, plus a latency alpha per hop and call ((n−1) hops, twice for an
   all-reduce, which is a reduce-scatter followed by an all-gather).
@@ -21,8 +24,9 @@ literature it cites and the way meshfit's torch building blocks communicate:
   group of ``size`` ranks ``stride`` apart stays in one node iff stride · size ≤ gpus_per_node; a group
   that spans nodes runs at the per-GPU inter-node rate.
 
-Not modelled: memory-bound element-wise kernels (norms, activations, softmax of flash attention), kernel
-launch gaps, stragglers, and the loss; ``efficiency`` absorbs them.
+Not modelled: kernel launch gaps, stragglers, and the kernels' distance from their peaks at the model's
+shapes; ``efficiency`` absorbs them. A rate calibrated on the model itself (``calibrate --model``) holds
+all of a step's compute: element-wise work is not added to it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshfit.models.config import pad_vocab_for_tp
+from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
@@ -41,7 +46,7 @@ from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_B
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
-    from meshfit.planner.hardware import Cluster
+    from meshfit.planner.hardware import GPU, Cluster
 
 # Achievable fraction of the peak FLOP/s for a whole training step's matmuls and attention. Public large
 # runs report 35–55% MFU in bf16 on A100/H100 (e.g. Megatron-LM, Narayanan et al. 2021: 52% on A100).
@@ -84,8 +89,9 @@ _ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 class StepTime:
     """Seconds one optimizer step spends in each part, on the most-loaded rank; ``total_s`` is their sum."""
 
-    compute_s: float  # forward+backward(+recompute) matmul/attention time of the most-loaded rank, all micro-batches
+    compute_s: float  # forward+backward(+recompute) time of the most-loaded rank's kernels, all micro-batches
     recompute_s: float  # part of compute_s spent re-running forwards (activation checkpointing)
+    elementwise_s: float  # part of compute_s in memory-bound element-wise kernels (0 when measured within it)
     tp_comm_s: float  # exposed tensor-parallel collective time
     dp_comm_s: float  # exposed data-parallel (all-reduce / reduce-scatter / all-gather) time
     pp_comm_s: float  # point-to-point activation sends between stages
@@ -219,6 +225,33 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
     return max(0.0, hidden - overlap * compute_s) + fixed, gathers, reductions
 
 
+@functools.lru_cache(maxsize=256)
+def _traffic(model: ModelConfig, cbytes: int) -> Traffic:
+    return elementwise_traffic(model, cbytes)
+
+
+def _elementwise(model: ModelConfig, layout: Layout, gpu: GPU, cbytes: int, tokens: int,
+                 rank: tuple[int, bool, bool], rerun: float, measured: bool) -> tuple[float, float]:
+    """(seconds, of which re-run in backward) of the rank's memory-bound element-wise kernels in one step:
+    the bytes ``elementwise_traffic`` counts at the memory bandwidth (measured by calibrate, else the HBM
+    datasheet rate at HBM_EFFICIENCY). Tensor parallelism splits the head- and FFN-wide tensors, sequence
+    parallelism also the dim-wide ones, loss parallelism the vocabulary. Activation checkpointing re-runs
+    the forward's share of the re-run blocks; the "op" policy re-runs every block's element-wise forward.
+    A rate measured on the model itself (``measured``) holds this time already: (0, 0)."""
+    if measured:
+        return 0.0, 0.0
+    tp, (blocks, _, has_head) = layout.tp, rank
+    t = _traffic(model, cbytes)
+    wide = tp if layout.sp else 1
+    forward = t.split_fwd / tp + t.wide_fwd / wide
+    block = forward + t.split_bwd / tp + t.wide_bwd / wide + t.gathered_bwd
+    ends = t.ends / wide + t.vocab / (tp if layout.loss_parallel else 1) if has_head else 0.0
+    redo = blocks * forward * (1.0 if layout.activation_checkpointing == "op" else rerun)
+    prof = gpu.profile
+    bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
+    return tokens * (blocks * block + ends + redo) / bandwidth, tokens * redo / bandwidth
+
+
 def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: float,
            dp_overlap: float) -> tuple[int, int]:
     """(sequences per data-parallel rank, micro-batches per step), or ValueError naming the mismatch."""
@@ -301,8 +334,10 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     def seconds(flops: float, core: float) -> float:  # matmul FLOPs (attention core included) per token
         return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
 
-    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s
-    recompute_s = seconds(redo, redo_core) + tp_redo_s
+    ew_s, ew_redo_s = _elementwise(model, layout, gpu, cbytes, tokens, rank, rerun,
+                                   measured=prof is not None and (prof.model_flops is not None or tp_rate is not None))
+    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
+    recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s
 
     mb_tokens = layout.micro_batch * s
     tp_comm_s = 0.0
@@ -341,7 +376,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
 
     total = compute_s + tp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
     tokens_per_s = workload.tokens / total
-    return StepTime(compute_s=compute_s, recompute_s=recompute_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s,
+    return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s,
                     pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s, optimizer_s=optimizer_s,
                     total_s=total, tokens_per_s=tokens_per_s,
                     mfu=tokens_per_s * fpt / (layout.world_size * peak))
