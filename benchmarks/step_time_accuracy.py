@@ -1,12 +1,14 @@
 """Predicted vs measured step time on CPU ranks, from a calibration made in the same run.
 
-    python benchmarks/step_time_accuracy.py [--steps 8] [--quick]
+    python benchmarks/step_time_accuracy.py [--steps 10] [--rounds 3] [--quick]
 
-For every rank count used, `meshfit calibrate`'s measurement runs first on that many ranks; then each layout
-trains the `small` preset (fp32, seq 256, global batch 16, AdamW) for --steps steps on local gloo ranks, and
-its measured step time (median of the steps after the tracked ones, see train.memory_tracked_steps) is
-compared with `step_time` on a CPU device built from the calibration. Prints each layout's predicted and
-measured time, their ratio, both rankings and Spearman's rank correlation. Figures, not a test.
+Each round runs `meshfit calibrate`'s measurement on every rank count used, then trains each layout of the
+`small` preset (fp32, seq 256, global batch 16, AdamW) for --steps steps on local gloo ranks (every other
+round in reverse order); a layout's measured step time is the median of its steps after the tracked ones
+(train.memory_tracked_steps), its prediction `step_time` on a CPU device built from that round's calibration.
+Prints every round's score, then per layout the median prediction and median measured time over the rounds,
+their ratio, both rankings and Spearman's rank correlation. About 8 minutes per round on 2 cores. Figures,
+not a test.
 """
 
 from __future__ import annotations
@@ -67,32 +69,56 @@ def ranks(values: list[float]) -> list[float]:
     return out
 
 
+def _round(names: list[str], steps: int, quick: bool, reverse: bool, root: Path) -> dict[str, tuple]:
+    """One calibration per rank count, then every layout trained once (in reverse order on odd rounds, so
+    that drift of the shared machine does not favour the layouts run first): {name: (prediction, seconds)}."""
+    root.mkdir(parents=True)
+    profiles = {}
+    for n in sorted({LAYOUTS[name].world_size for name in names}):
+        profiles[n] = calibrate(n, quick=quick, model=MODEL, seq=WORK.seq_len)
+        print(f"calibrated {n} ranks in {profiles[n].seconds:.0f} s", flush=True)
+    out = {}
+    for name in reversed(names) if reverse else names:
+        layout = LAYOUTS[name]
+        world = layout.world_size
+        cluster = Cluster(cpu_device(2**40, profiles[world]), nodes=1, gpus_per_node=world)
+        predicted = step_time(MODEL, layout, WORK, cluster)
+        real = measured(layout, steps, root)
+        out[name] = (predicted, real)
+        print(f"{name:18s} ranks {world}  predicted {predicted.total_s * 1e3:7.0f} ms  measured "
+              f"{real * 1e3:7.0f} ms  ratio {predicted.total_s / real:5.2f}", flush=True)
+    return out
+
+
+def _score(pred: list[float], real: list[float]) -> tuple[int, float]:
+    """(layouts within 25%, Spearman rank correlation)."""
+    within = sum(abs(p / m - 1) <= 0.25 for p, m in zip(pred, real, strict=True))
+    return within, statistics.correlation(ranks(pred), ranks(real))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="calibrate-then-train rounds; medians are compared")
     parser.add_argument("--quick", action="store_true", help="quick calibration")
     parser.add_argument("--only", default="", help="comma-separated layout names")
     args = parser.parse_args()
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
-    profiles = {}
-    for n in sorted({LAYOUTS[name].world_size for name in names}):
-        profiles[n] = calibrate(n, quick=args.quick, model=MODEL, seq=WORK.seq_len)
-        print(f"calibrated {n} ranks in {profiles[n].seconds:.0f} s", flush=True)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            layout = LAYOUTS[name]
-            world = layout.world_size
-            cluster = Cluster(cpu_device(2**40, profiles[world]), nodes=1, gpus_per_node=world)
-            predicted = step_time(MODEL, layout, WORK, cluster)
-            real = measured(layout, args.steps, Path(tmp))
-            rows.append((name, world, predicted, real))
-            print(f"{name:18s} ranks {world}  predicted {predicted.total_s * 1e3:7.0f} ms  measured "
-                  f"{real * 1e3:7.0f} ms  ratio {predicted.total_s / real:5.2f}", flush=True)
+        rounds = [_round(names, args.steps, args.quick, r % 2 == 1, Path(tmp) / str(r)) for r in range(args.rounds)]
+    for r, result in enumerate(rounds, 1):
+        within, rho = _score([result[n][0].total_s for n in names], [result[n][1] for n in names])
+        print(f"round {r} alone: within 25%: {within} of {len(names)}; Spearman {rho:.2f}")
+    # Per layout: the median prediction (over the rounds' calibrations) and the median measured time.
+    rows = []
+    for name in names:
+        preds = sorted((result[name][0] for result in rounds), key=lambda t: t.total_s)
+        rows.append((name, LAYOUTS[name].world_size, preds[len(preds) // 2],
+                     statistics.median(result[name][1] for result in rounds)))
     pred = [r[2].total_s for r in rows]
     real = [r[3] for r in rows]
-    rho = statistics.correlation(ranks(pred), ranks(real))
-    print(f"\nsmall preset, fp32, seq {WORK.seq_len}, global batch {WORK.global_batch}, median of steady steps")
+    print(f"\nsmall preset, fp32, seq {WORK.seq_len}, global batch {WORK.global_batch}; medians over {args.rounds} "
+          f"rounds of the predictions and of the measured steady-step medians")
     print(f"{'layout':18s} {'ranks':>5s} {'pred ms':>8s} {'meas ms':>8s} {'ratio':>6s} {'rank p':>6s} {'rank m':>6s}"
           f"  compute / tp / dp / pp / bubble / optimizer ms")
     rp, rm = ranks(pred), ranks(real)
@@ -101,7 +127,7 @@ def main() -> None:
                                                       p.bubble_s, p.optimizer_s))
         print(f"{name:18s} {world:5d} {p.total_s * 1e3:8.0f} {m * 1e3:8.0f} {p.total_s / m:6.2f} {a + 1:6.0f} "
               f"{b + 1:6.0f}  {parts}")
-    within = sum(abs(r[2].total_s / r[3] - 1) <= 0.25 for r in rows)
+    within, rho = _score(pred, real)
     print(f"within 25%: {within} of {len(rows)}; Spearman rank correlation {rho:.2f}")
 
 

@@ -156,9 +156,11 @@ def _collective(op: str, group: Any, rank: int, size: int, nbytes: int, device: 
     if op == "all_reduce":
         fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
     elif op == "all_gather":
+        # The calls FSDP2 makes (torch 2.13 names them deprecated; their replacements are newer than 2.11).
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated")
         fn = lambda: dist.all_gather_into_tensor(full, part, group=group)  # noqa: E731
     elif op == "reduce_scatter":
-        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor` is deprecated")  # FSDP2's call
+        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor` is deprecated")
         fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731
     else:
         peer = 1 - rank
