@@ -103,18 +103,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="quick calibration")
     parser.add_argument("--only", default="", help="comma-separated layout names")
     args = parser.parse_args()
+    if args.rounds < 1 or args.steps <= load_config(None).train.memory_tracked_steps:
+        parser.error("--rounds must be at least 1 and --steps more than train.memory_tracked_steps")
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         rounds = [_round(names, args.steps, args.quick, r % 2 == 1, Path(tmp) / str(r)) for r in range(args.rounds)]
     for r, result in enumerate(rounds, 1):
         within, rho = _score([result[n][0].total_s for n in names], [result[n][1] for n in names])
         print(f"round {r} alone: within 25%: {within} of {len(names)}; Spearman {rho:.2f}")
-    # Per layout: the median prediction (over the rounds' calibrations) and the median measured time.
+    # Per layout: the median prediction (over the rounds' calibrations) and the median measured time (the
+    # lower middle value of an even count, for both).
     rows = []
     for name in names:
         preds = sorted((result[name][0] for result in rounds), key=lambda t: t.total_s)
-        rows.append((name, LAYOUTS[name].world_size, preds[len(preds) // 2],
-                     statistics.median(result[name][1] for result in rounds)))
+        rows.append((name, LAYOUTS[name].world_size, preds[(len(preds) - 1) // 2],
+                     statistics.median_low(result[name][1] for result in rounds)))
     pred = [r[2].total_s for r in rows]
     real = [r[3] for r in rows]
     print(f"\nsmall preset, fp32, seq {WORK.seq_len}, global batch {WORK.global_batch}; medians over {args.rounds} "

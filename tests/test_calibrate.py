@@ -109,9 +109,14 @@ def test_matmul_rates_alone_add_the_elementwise_traffic_at_the_measured_bandwidt
     t = elementwise_traffic(TINY, 4)
     tokens = WORK.global_batch // 2 * WORK.seq_len
     ddp = _time(Layout(dp_replicate=2), _profile(model=False))
-    moved = TINY.n_layers * t.block + t.ends + t.vocab
+    moved = TINY.n_layers * t.block + t.embed + t.final_norm + t.vocab
     assert ddp.compute_s == pytest.approx(tokens * flops_per_token(TINY, WORK.seq_len) / 1e10 + tokens * moved / 1e10)
     assert ddp.compute_s > _time(Layout(dp_replicate=2), _profile()).compute_s
+    # A tensor-parallel rate measured on the model holds its element-wise work too.
+    tp_rates = {2: {"sp": {"flops": {"fp32": 1e10, "bf16": 1e10}, "block_call_s": {"fp32": 0.0, "bf16": 0.0}}}}
+    tp_only = HardwareProfile.model_validate({**_profile(model=False).model_dump(), "tp_flops": tp_rates})
+    sp = _time(Layout(tp=2, sp=True, loss_parallel=True), tp_only)
+    assert sp.elementwise_s == 0.0 and sp.compute_s == pytest.approx(WORK.tokens * flops_per_token(TINY, 64) / 2 / 1e10)
 
 
 def test_measured_rates_order_layouts_and_overlap_hides_communication():

@@ -8,7 +8,7 @@ from meshfit.models.config import flops_per_token
 from meshfit.models.presets import PRESETS, get_preset
 from meshfit.models.traffic import elementwise_traffic
 from meshfit.parallel.pipeline import StagePlan, plan_stages
-from meshfit.parallel.split import balanced_split, layer_flops
+from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import Cluster
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.timing import (
@@ -96,6 +96,27 @@ def test_bottleneck_rank_is_the_most_loaded_rank_of_the_pipeline_plan():
         bottleneck_rank(32, 11, 3, False, 1.0, 1.0)
 
 
+def test_a_loss_heavier_than_the_blocks_makes_the_head_rank_the_bottleneck():
+    # Llama-3.2 1B over 4 stages splits its 16 blocks 5, 5, 5, 1 by FLOPs (the head weighs like 4 blocks);
+    # its 128K-vocabulary fp32 loss moves as many bytes as 7 blocks, so by time the head rank is the most
+    # loaded, and the step's compute is that rank's.
+    model = get_preset("llama3-1b")
+    layer, head = layer_flops(model, 2048), head_flops(model)
+    assert bottleneck_rank(model.n_layers, 4, 1, False, layer, head) == (5, True, False)
+    assert bottleneck_rank(model.n_layers, 4, 1, False, layer, head, (1.0, 12.0, 0.0)) == (1, False, True)
+    work = Workload(seq_len=2048, global_batch=16)
+    t = _time(Layout(pp=4, schedule="1f1b", micro_batch=1), work, _cluster(4), model)
+    tokens = work.tokens
+    matmuls = tokens * 3 * (layer + head) / (EFFICIENCY * NODE.gpu.bf16_flops)
+    # (rel: the model's FLOPs per token also count the norms' weights, which the per-block count leaves out)
+    assert t.compute_s == pytest.approx(matmuls + _elementwise_s(model, tokens, 1) - _embed_s(model, tokens),
+                                        rel=1e-4)
+
+
+def _embed_s(model, tokens: int) -> float:
+    return tokens * elementwise_traffic(model, 2).embed / (NODE.gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
+
+
 # --- Compute and recomputation ---------------------------------------------------------------------------
 
 
@@ -103,7 +124,7 @@ def _elementwise_s(model, tokens: int, layers: int, forwards: float = 0.0, c: in
     """Seconds of the element-wise bytes of ``tokens`` through ``layers`` blocks (plus ``forwards`` re-run
     block forwards), the embeddings, final norm and loss, at the H100's HBM rate (unsplit: no TP)."""
     t = elementwise_traffic(model, c)
-    moved = layers * t.block + forwards * (t.split_fwd + t.wide_fwd) + t.ends + t.vocab
+    moved = layers * t.block + forwards * (t.split_fwd + t.wide_fwd) + t.embed + t.final_norm + t.vocab
     return tokens * moved / (NODE.gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
 
 
@@ -150,7 +171,8 @@ def test_eager_attention_is_slower_than_flash_on_the_attention_core_only():
 
 def test_tensor_sequence_and_loss_parallelism_split_the_elementwise_traffic():
     # One H100 node, tp 8 at one data-parallel rank per group: the split part divides by 8 in every
-    # layout; sequence parallelism also divides the dim-wide part, loss parallelism the vocabulary.
+    # layout; sequence parallelism also divides the blocks' dim-wide part and the final norm (not the
+    # embeddings, which run on the whole sequence), loss parallelism the vocabulary.
     work, t = Workload(seq_len=8192, global_batch=1), elementwise_traffic(LLAMA8B, 2)
     tokens, bw = work.tokens, NODE.gpu.hbm_bytes_per_s * HBM_EFFICIENCY
     plain = _time(Layout(tp=8), work)
@@ -158,7 +180,7 @@ def test_tensor_sequence_and_loss_parallelism_split_the_elementwise_traffic():
     both = _time(Layout(tp=8, sp=True, loss_parallel=True), work)
     layers = LLAMA8B.n_layers
     assert plain.compute_s - sp.compute_s == pytest.approx(
-        tokens * (layers * (t.wide_fwd + t.wide_bwd) + t.ends) * (1 - 1 / 8) / bw)
+        tokens * (layers * (t.wide_fwd + t.wide_bwd) + t.final_norm) * (1 - 1 / 8) / bw)
     assert sp.compute_s - both.compute_s == pytest.approx(tokens * t.vocab * (1 - 1 / 8) / bw)
 
 

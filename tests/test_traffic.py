@@ -98,12 +98,14 @@ def _loss_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, seq: int) -> i
     return meter.total
 
 
-@pytest.mark.parametrize("family,dropout", [("llama", 0.0), ("gpt", 0.0), ("gpt", 0.1)])
+@pytest.mark.parametrize("family,dropout,vocab", [("llama", 0.0, 320), ("gpt", 0.0, 320), ("gpt", 0.1, 300)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_counted_bytes_per_token_match_the_model_code(family, dropout, dtype, monkeypatch):
+def test_counted_bytes_per_token_match_the_model_code(family, dropout, vocab, dtype, monkeypatch):
     torch.manual_seed(0)
+    # A vocabulary of 300 padded to 320: the loss masks the padding's logits.
     cfg = ModelConfig(family=family, dim=128, n_layers=1, n_heads=4, n_kv_heads=2 if family == "llama" else 4,
-                      vocab_size=320, ffn_hidden=352, max_seq_len=64, tie_embeddings=False, dropout=dropout)
+                      vocab_size=vocab, ffn_hidden=352, max_seq_len=64, tie_embeddings=False, dropout=dropout,
+                      pad_vocab_to=64)
     t = elementwise_traffic(cfg, dtype.itemsize)
     seq = 64
     block = (_block_bytes(cfg, dtype, 2, seq, monkeypatch) - _block_bytes(cfg, dtype, 1, seq, monkeypatch)) / seq
@@ -117,8 +119,11 @@ def test_counted_bytes_per_token_match_the_model_code(family, dropout, dtype, mo
 def test_split_parts_scale_with_the_widths_tensor_parallelism_divides():
     base = ModelConfig(family="llama", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512,
                        ffn_hidden=704, max_seq_len=64, tie_embeddings=False)
-    t, wider = elementwise_traffic(base, 2), elementwise_traffic(dataclasses.replace(base, ffn_hidden=1408), 2)
-    assert wider.wide_fwd == t.wide_fwd and wider.wide_bwd == t.wide_bwd and wider.gathered_bwd == t.gathered_bwd
-    assert wider.split_fwd > t.split_fwd and wider.split_bwd > t.split_bwd
+    t = elementwise_traffic(base, 2)
+    # Wider FFNs and more key/value heads (RoPE on more keys) add to the split part only.
+    for wider in (dataclasses.replace(base, ffn_hidden=1408), dataclasses.replace(base, n_kv_heads=8)):
+        w = elementwise_traffic(wider, 2)
+        assert (w.wide_fwd, w.wide_bwd, w.gathered_bwd) == (t.wide_fwd, t.wide_bwd, t.gathered_bwd)
+        assert w.split_fwd > t.split_fwd and w.split_bwd > t.split_bwd
     # fp32 values: no casts, so fewer bytes than twice bf16's.
     assert elementwise_traffic(base, 4).block < 2 * t.block

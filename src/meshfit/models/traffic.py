@@ -18,13 +18,17 @@ gradient). Per operator, with ``c`` bytes per compute value:
   two sums) and, for SwiGLU, the FFN input's (one), 3c each, over the whole dim-wide tensor (sequence
   parallelism gathers it first);
 * bias gradients (GPT): one read of every biased output's gradient;
+* embeddings: each lookup reads and writes a row (2c) and its gradient is read again (2c); GPT adds the
+  positions (3c) and drops out (2c + 1 each way);
 * the loss over the vocabulary, fp32: the cast (c + 4 when c < 4), log-softmax 8, its backward 12, the
-  scattered gradient 4, the cast back (4 + c when c < 4).
+  scattered gradient 4, the cast back (4 + c when c < 4), and with a padded vocabulary the padding's
+  masking, 8 each way.
 
 Not counted (each under 1% of a block's traffic at transformer sizes): per-token reductions (a norm's
-statistics), the embeddings' gradient scatter, and gradient accumulation into parameters (per parameter,
-not per token). Tensor parallelism splits the heads and the FFN hidden width (``split``); sequence
-parallelism also the dim-wide tensors (``wide``); loss parallelism the vocabulary (``vocab``).
+statistics) and gradient accumulation into parameters (per parameter, not per token). Tensor parallelism
+splits the heads and the FFN hidden width (``split``); sequence parallelism also the dim-wide tensors of
+the blocks and the final norm (``wide``, ``final_norm``), not the embeddings, which run on the whole
+sequence before it is scattered; loss parallelism splits the vocabulary (``vocab``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class Traffic:
     wide_fwd: float  # one block's forward, over dim-wide tensors (divided by tp only with SP)
     wide_bwd: float  # ... its backward
     gathered_bwd: float  # one block's backward, dim-wide tensors every tensor-parallel rank holds in full
-    ends: float  # embeddings and final norm, forward + backward (dim-wide)
+    embed: float  # the embeddings, forward + backward (the first pipeline stage)
+    final_norm: float  # the final norm, forward + backward (the last stage; divided by tp with SP)
     vocab: float  # the loss over the vocabulary, forward + backward (divided by tp with loss parallelism)
 
     @property
@@ -64,7 +69,7 @@ def elementwise_traffic(cfg: ModelConfig, c: int) -> Traffic:
         split_bwd = rope + 9 * c * f
         wide_fwd = 2 * (norm_fwd + 3 * c) * h
         wide_bwd = 2 * (norm_bwd + 3 * c) * h
-        ends = (2 * c + 2 * c + norm_fwd + norm_bwd) * h  # the lookup and its gradient, the final norm
+        embed, final_norm = (2 * c + 2 * c) * h, (norm_fwd + norm_bwd) * h
         gathered_bwd = (2 + 1) * 3 * c * h
     else:
         drop = 2 * c + 1 if cfg.dropout > 0 else 0
@@ -72,8 +77,9 @@ def elementwise_traffic(cfg: ModelConfig, c: int) -> Traffic:
         split_bwd = 3 * c * f + c * (q + 2 * kv + f)  # + gradients of the split layers' biases
         wide_fwd = 2 * (2 * c + 3 * c + drop) * h
         wide_bwd = 2 * (3 * c + 3 * c + drop + c) * h  # + gradients of the output projections' biases
-        # Token and position lookups, their sum and dropout, the lookups' gradients; the final LayerNorm.
-        ends = (2 * c + 2 * c + 3 * c + drop + drop + 2 * c + 2 * c + 2 * c + 3 * c) * h
+        # Token and position lookups, their sum and its dropout, the lookups' gradients.
+        embed, final_norm = (2 * c + 2 * c + 3 * c + drop + drop + 2 * c + 2 * c) * h, (2 * c + 3 * c) * h
         gathered_bwd = 2 * 3 * c * h
-    vocab = (cast + 8 + 12 + 4 + cast) * cfg.padded_vocab
-    return Traffic(split_fwd, split_bwd, wide_fwd, wide_bwd, gathered_bwd, ends, vocab)
+    masking = 16 if cfg.padded_vocab != cfg.vocab_size else 0
+    vocab = (cast + 8 + 12 + 4 + cast + masking) * cfg.padded_vocab
+    return Traffic(split_fwd, split_bwd, wide_fwd, wide_bwd, gathered_bwd, embed, final_norm, vocab)

@@ -46,7 +46,7 @@ from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_B
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
-    from meshfit.planner.hardware import GPU, Cluster
+    from meshfit.planner.hardware import Cluster
 
 # Achievable fraction of the peak FLOP/s for a whole training step's matmuls and attention. Public large
 # runs report 35–55% MFU in bf16 on A100/H100 (e.g. Megatron-LM, Narayanan et al. 2021: 52% on A100).
@@ -116,7 +116,7 @@ def _model_terms(model: ModelConfig, seq_len: int) -> tuple[float, float, float,
 
 @functools.lru_cache(maxsize=4096)
 def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float,
-                    head_cost: float) -> tuple[int, bool, bool]:
+                    head_cost: float, loads: tuple[float, float, float] | None = None) -> tuple[int, bool, bool]:
     """(blocks, holds the embedding, holds the head) of the pipeline rank with the most forward FLOPs.
 
     Stages split as ``plan_stages`` splits them; ranks hold stages round-robin (r, r+p, …) or V-shaped
@@ -132,8 +132,13 @@ def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_c
     last = n_stages - 1
     owned = [(r, 2 * pp - 1 - r) if v_shape else tuple(range(r, n_stages, pp)) for r in range(pp)]
 
+    # The split follows the FLOP costs (as plan_stages splits); the most loaded rank is judged by ``loads``
+    # (per block, head and embeddings, e.g. seconds with element-wise work) when given.
+    block_load, head_load, embed_load = loads if loads is not None else (layer_cost, head_cost, 0.0)
+
     def load(stages: tuple[int, ...]) -> float:
-        return sum(counts[s] for s in stages) * layer_cost + (head_cost if last in stages else 0.0)
+        return (sum(counts[s] for s in stages) * block_load + (head_load if last in stages else 0.0)
+                + (embed_load if 0 in stages else 0.0))
 
     worst = max(owned, key=load)
     return sum(counts[s] for s in worst), 0 in worst, last in worst
@@ -230,26 +235,27 @@ def _traffic(model: ModelConfig, cbytes: int) -> Traffic:
     return elementwise_traffic(model, cbytes)
 
 
-def _elementwise(model: ModelConfig, layout: Layout, gpu: GPU, cbytes: int, tokens: int,
-                 rank: tuple[int, bool, bool], rerun: float, measured: bool) -> tuple[float, float]:
-    """(seconds, of which re-run in backward) of the rank's memory-bound element-wise kernels in one step:
-    the bytes ``elementwise_traffic`` counts at the memory bandwidth (measured by calibrate, else the HBM
-    datasheet rate at HBM_EFFICIENCY). Tensor parallelism splits the head- and FFN-wide tensors, sequence
-    parallelism also the dim-wide ones, loss parallelism the vocabulary. Activation checkpointing re-runs
-    the forward's share of the re-run blocks; the "op" policy re-runs every block's element-wise forward.
-    A rate measured on the model itself (``measured``) holds this time already: (0, 0)."""
-    if measured:
-        return 0.0, 0.0
-    tp, (blocks, _, has_head) = layout.tp, rank
-    t = _traffic(model, cbytes)
+def _elementwise_bytes(model: ModelConfig, layout: Layout, cbytes: int) -> tuple[float, float, float, float]:
+    """Element-wise bytes per token on one rank (``elementwise_traffic``): (a block's forward + backward,
+    its forward, the embeddings, the final norm and loss). Tensor parallelism splits the head- and
+    FFN-wide tensors, sequence parallelism also the dim-wide ones of the blocks and the final norm, loss
+    parallelism the vocabulary."""
+    t, tp = _traffic(model, cbytes), layout.tp
     wide = tp if layout.sp else 1
     forward = t.split_fwd / tp + t.wide_fwd / wide
     block = forward + t.split_bwd / tp + t.wide_bwd / wide + t.gathered_bwd
-    ends = t.ends / wide + t.vocab / (tp if layout.loss_parallel else 1) if has_head else 0.0
-    redo = blocks * forward * (1.0 if layout.activation_checkpointing == "op" else rerun)
-    prof = gpu.profile
-    bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
-    return tokens * (blocks * block + ends + redo) / bandwidth, tokens * redo / bandwidth
+    return block, forward, t.embed, t.final_norm / wide + t.vocab / (tp if layout.loss_parallel else 1)
+
+
+def _elementwise_s(ew: tuple[float, float, float, float], rank: tuple[int, bool, bool], re_run: float,
+                   tokens: int, bandwidth: float) -> tuple[float, float]:
+    """(seconds, of which re-run in backward) of the rank's element-wise kernels in one step; ``re_run``:
+    block forwards re-run per block (the "op" policy re-runs every block's element-wise forward)."""
+    block, forward, embed, head = ew
+    blocks, has_embed, has_head = rank
+    redo = blocks * forward * re_run
+    moved = blocks * block + redo + (embed if has_embed else 0.0) + (head if has_head else 0.0)
+    return tokens * moved / bandwidth, tokens * redo / bandwidth
 
 
 def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: float,
@@ -299,7 +305,20 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     peak = gpu.fp32_flops if precision == "fp32" else gpu.bf16_flops
     cbytes, sbytes = COMPUTE_BYTES[precision], STORAGE_BYTES[precision]
     virtual = layout.virtual_stages if pp > 1 else 1
-    rank = bottleneck_rank(model.n_layers, pp, virtual, v_shaped(layout.schedule), layer, head)
+    # A tensor-parallel rate measured on the model itself (calibrate --model) holds what the split costs
+    # beyond the split matmuls, its collectives included: they are not added again below. It was measured
+    # with sequence and loss parallelism both on or both off.
+    measured_tp = prof is not None and tp > 1 and layout.sp == layout.loss_parallel
+    tp_rate = prof.tp_rate(precision, tp, layout.sp) if measured_tp else None
+    rate = (tp_rate[0] if tp_rate is not None else peak) * efficiency
+    # Memory-bound element-wise work, unless a rate measured on the model itself holds it already.
+    in_rate = prof is not None and (prof.model_flops is not None or tp_rate is not None)
+    ew = (0.0, 0.0, 0.0, 0.0) if in_rate else _elementwise_bytes(model, layout, cbytes)
+    bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
+    # Stages split by FLOPs, as the pipeline splits them; the most loaded rank by time per token, element-wise
+    # work included (a large vocabulary's loss can outweigh several blocks).
+    loads = (3 * layer / tp / rate + ew[0] / bandwidth, 3 * head / tp / rate + ew[3] / bandwidth, ew[2] / bandwidth)
+    rank = bottleneck_rank(model.n_layers, pp, virtual, v_shaped(layout.schedule), layer, head, loads)
     blocks, _, has_head = rank
 
     # Compute: the bottleneck rank's share of the model FLOPs, 1/tp of it per tensor-parallel rank.
@@ -307,25 +326,19 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     core_r = blocks * core / tp  # attention-core forward FLOPs per token on this rank
     ac = layout.activation_checkpointing
     # Forward FLOPs re-run in backward. meshfit's "selective" checkpoints every second block in full
-    # (parallel.ac_every = 2); "attention" re-runs the attention core; "op" re-runs element-wise ops only,
-    # whose time (memory-bound, a few percent of a block) is not modelled.
+    # (parallel.ac_every = 2); "attention" re-runs the attention core; "op" re-runs element-wise ops only
+    # (their bytes, below).
     rerun = {"full": 1.0, "selective": (blocks // 2) / max(1, blocks), "none": 0.0, "op": 0.0,
              "attention": 0.0}[ac]
     redo = rerun * blocks * layer / tp + (core_r if ac == "attention" else 0.0)
     redo_core = (1.0 if ac == "attention" else rerun) * core_r
     slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
-    rate = peak * efficiency
     # A calibrated device has its own (fused) attention rate; the datasheet model runs attention at the
-    # matmul rate.
+    # matmul rate; a measured tensor-parallel rate holds both.
     attn_rate = prof.flops(precision, attention=True) * efficiency if prof is not None else rate
-    # A tensor-parallel rate measured on the model itself (calibrate --model) holds what the split costs
-    # beyond the split matmuls, its collectives included: they are not added again below. It was measured
-    # with sequence and loss parallelism both on or both off.
-    measured_tp = prof is not None and tp > 1 and layout.sp == layout.loss_parallel
-    tp_rate = prof.tp_rate(precision, tp, layout.sp) if measured_tp else None
     tp_fixed_s = tp_redo_s = 0.0
     if tp_rate is not None:
-        rate = attn_rate = tp_rate[0] * efficiency
+        attn_rate = rate
         # Per block and micro-batch; a re-run forward adds its share as it does of the FLOPs (a third).
         tp_fixed_s = tp_rate[1] * blocks * m
         tp_redo_s = tp_fixed_s * rerun / 3.0
@@ -334,8 +347,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     def seconds(flops: float, core: float) -> float:  # matmul FLOPs (attention core included) per token
         return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
 
-    ew_s, ew_redo_s = _elementwise(model, layout, gpu, cbytes, tokens, rank, rerun,
-                                   measured=prof is not None and (prof.model_flops is not None or tp_rate is not None))
+    ew_s, ew_redo_s = _elementwise_s(ew, rank, 1.0 if ac == "op" else rerun, tokens, bandwidth)
     compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
     recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s
 
@@ -376,7 +388,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
 
     total = compute_s + tp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
     tokens_per_s = workload.tokens / total
-    return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s, dp_comm_s=dp_comm_s,
-                    pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s, optimizer_s=optimizer_s,
-                    total_s=total, tokens_per_s=tokens_per_s,
+    return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s,
+                    dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s,
+                    optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
                     mfu=tokens_per_s * fpt / (layout.world_size * peak))
