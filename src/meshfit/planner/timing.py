@@ -117,7 +117,8 @@ def _model_terms(model: ModelConfig, seq_len: int) -> tuple[float, float, float,
 @functools.lru_cache(maxsize=4096)
 def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float,
                     head_cost: float, loads: tuple[float, float, float] | None = None) -> tuple[int, bool, bool]:
-    """(blocks, holds the embedding, holds the head) of the pipeline rank with the most forward FLOPs.
+    """(blocks, holds the embedding, holds the head) of the most loaded pipeline rank: by ``loads`` (per
+    block, head and embeddings) when given, else by forward FLOPs.
 
     Stages split as ``plan_stages`` splits them; ranks hold stages round-robin (r, r+p, …) or V-shaped
     (r and 2p−1−r), as ``StagePlan.stages_of_rank`` places them.
