@@ -93,6 +93,14 @@ def _rank0_mem(n, *overrides):
     return run_ranks(train_job, n, parity_config(*overrides, "train.steps=3"))[0]["mem"][0]
 
 
+def _block_bytes():
+    from meshfit.models import build_model
+    from meshfit.models.presets import get_preset
+
+    block = build_model(get_preset("tiny"), "meta").layers["0"]
+    return sum(p.numel() * 4 for p in block.parameters())
+
+
 def _close(measured, expected, padding):
     return abs(measured - expected) <= 0.05 * expected + padding
 
@@ -119,8 +127,11 @@ def test_memory_per_stage_scales_as_one_over_n(n):
         assert mem["rest"]["grads"] == 0
     # ZeRO-1 accumulates full gradients until the last micro-batch; ZeRO-2/3 keep only 1/N shards.
     assert stages[1]["max_by_type"]["Unsharded Grad"] == full_params
+    # Reduced in the background on CPU ranks (parallel/host_reduce.py), a block's new shard waits for its
+    # collective next to the earlier micro-batch's shards while the next block's backward runs.
+    pending = _block_bytes() / n
     for stage in (2, 3):
-        assert _close(stages[stage]["max_by_type"]["Sharded Grad"], full_params / n, padding), stage
+        assert _close(stages[stage]["max_by_type"]["Sharded Grad"], full_params / n + pending, padding), stage
         assert stages[stage]["max_by_type"].get("Unsharded Grad", 0) < full_params / 2
     # ZeRO-1/2 keep every gathered block from forward to backward: all weights at once at the peak;
     # ZeRO-3 frees them block by block.

@@ -25,3 +25,14 @@ def stashes_gradients(zero_stage: int, mixed_precision: bool, micro_batches: int
     """Whether gradient shards wait in bf16 between micro-batches (data_parallel.GradientStash): ZeRO-2
     under mixed precision with gradient accumulation (pipeline schedules accumulate unsharded instead)."""
     return zero_stage == 2 and mixed_precision and micro_batches > 1 and not pipelined
+
+
+def reduces_in_background(zero_stage: int, dp_shard: int, replicated: bool, mixed_precision: bool,
+                          pipelined: bool, backend: str) -> bool:
+    """Whether FSDP2's gradient reduce-scatters run in the background (parallel/host_reduce.py): on gloo
+    (CPU ranks; an accelerator overlaps them on its own stream), for sharded layouts whose reduced shard
+    FSDP2 reads no further before it becomes the gradient: no replicate all-reduce after it (HSDP), no cast
+    (stage 1 under mixed precision reduces in bf16), and no pipeline schedule (it scales the gradients
+    right after the last backward)."""
+    return (backend == "gloo" and zero_stage >= 1 and dp_shard > 1 and not replicated
+            and not (mixed_precision and zero_stage == 1) and not pipelined)

@@ -26,7 +26,7 @@ from meshfit.planner.activations import (
     block_weight_params,
     checkpointed_block_bytes,
 )
-from meshfit.parallel.kinds import data_parallel_kind, stashes_gradients
+from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background, stashes_gradients
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import GPU
@@ -294,13 +294,22 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             gathered = gathered_loss = (share.root_params + (share.layers + 1) * share.block_params) * c_bytes
             grads_loss = n * _reduce_bytes(workload, layout, c_bytes)
             unit_grads = working = 0.0
-    # gloo (CPU ranks) copies a reduce-scatter's input while it runs (seen by torch's tracker inside the
-    # collective's wait; NCCL and the dry run's fake process group do not): one unit's gradients in the
-    # reduce dtype next to the input. A cast input has freed the 16-bit gradients by then (measured: the
-    # unit then holds 2 × 4 bytes per parameter where NCCL holds 2 + 4).
+    # Reduced in the background (parallel/host_reduce.py; not during the micro-batches whose shards ZeRO-2's
+    # stash takes), a block's shard of a micro-batch after the first waits for its collective next to the
+    # earlier micro-batches' gradients while the next block's backward runs (measured with torch's tracker).
+    background = reduces_in_background(stage, ds, layout.dp_replicate > 1, workload.precision == "mixed",
+                                       layout.pp > 1, backend)
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
+    pending = (share.block_params * r_bytes / ds
+               if background and stage >= 2 and micro > 1 and not stash and share.layers > 1 else 0.0)
+    # gloo's blocking reduce-scatter (CPU ranks) copies its input while it runs (seen by torch's tracker
+    # inside the collective's wait; NCCL, the dry run's fake process group and the background reduce-scatter
+    # do not show it): one unit's gradients in the reduce dtype next to the input. A cast input has freed the
+    # 16-bit gradients by then (measured: the unit then holds 2 × 4 bytes per parameter where NCCL holds
+    # 2 + 4).
     gloo_copy = (share.block_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
-                 if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 else 0.0)
+                 if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 and (not background or stash)
+                 else 0.0)
     # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
     # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
     # backward yet; the final norm's and the loss's other temporaries are gone.
@@ -325,7 +334,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
                      grads_loss + (0.0 if layout.activation_checkpointing == "selective" or working else unit_grads),
                      optim, block_acts + recompute + working, buckets),
         # ... and once its gradients exist, most of the last block's activations are freed.
-        "block gradients": (params + gathered, grads_loss + unit_grads, optim,
+        "block gradients": (params + gathered, grads_loss + unit_grads + pending, optim,
                             block_acts + recompute - act_mb / max(1, share.layers) + gloo_copy, buckets),
         "backward end": (params + (share.root_params * c_bytes if fsdp else 0), grads_full + stash, optim, 0.0,
                          buckets),

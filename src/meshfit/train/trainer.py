@@ -31,7 +31,8 @@ from meshfit.memory.tracker import limit_cuda_memory, make_tracker
 from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.data_parallel import GradientStash, gradient_stash, set_micro_batch
-from meshfit.parallel.kinds import data_parallel_kind
+from meshfit.parallel.host_reduce import HostReduceScatter, host_reduce_scatter
+from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
@@ -68,6 +69,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
     meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
     stash: GradientStash | None = None  # ZeRO-2 under mixed precision with gradient accumulation
+    host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters in the background on CPU ranks
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
@@ -103,7 +105,10 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
                peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter,
                stash=None if pipe else gradient_stash(model, shape.zero_stage, shape.mixed_precision,
-                                                      shape.accum_steps))
+                                                      shape.accum_steps),
+               host_reduce=host_reduce_scatter(model, reduces_in_background(
+                   shape.zero_stage, shape.dims.dp_shard, shape.dims.dp_replicate > 1, shape.mixed_precision,
+                   pipe is not None, dist.get_backend(meshes.dp.get_group()))))
 
 
 def _meter(cfg: Config, env: RankEnv, tracker: Any) -> MemoryMeter:
@@ -130,6 +135,9 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     set_micro_batch(run.model, run.shape.zero_stage, last=sync)
     if run.stash is not None:
         run.stash.begin(last=sync)
+    if run.host_reduce is not None:
+        # The stash reads each reduced shard as soon as FSDP2 sets it: those micro-batches reduce blocking.
+        run.host_reduce.begin(enabled=run.stash is None or sync)
     with ctx:
         run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
         run.tracker.phase = "forward"
@@ -141,6 +149,8 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
             (loss / run.shape.accum_steps).backward()
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
+    if run.host_reduce is not None:
+        run.host_reduce.finish()
     if run.stash is not None:
         if not sync:
             run.tracker.claim_gradients(run.stash.stash())
