@@ -62,6 +62,20 @@ def test_full_tracks_every_step_and_a_cpu_budget_forces_it(world_of_one, monkeyp
             assert meter.records(1, {})[0][0]["measured"] == "tracker"
 
 
+def test_off_never_tracks_and_reports_the_counter(world_of_one, monkeypatch):
+    counter = {"value": 1000 * 2**20}
+    monkeypatch.setattr(meter_module, "_counter", lambda device: counter["value"])
+    tracker = _StubTracker()
+    meter = MemoryMeter(tracker, meter_module.torch.device("cpu"), "off", tracked_steps=2, budget=None)
+    for step in range(3):
+        counter["value"] *= 2  # growth does not turn the tracker on either
+        assert not meter.tracking()
+        records, retracked = meter.records(1, {})
+        assert records == [{"peak": counter["value"], "measured": "counter", "rss_peak": counter["value"]}]
+        assert not retracked
+    assert tracker.peaks == 0
+
+
 @pytest.mark.multiproc
 def test_metrics_say_which_steps_were_measured(tmp_path):
     res = meshfit("train", "--run-dir", str(tmp_path), "--set", "train.steps=5", "--set", "train.device=cpu",
@@ -70,6 +84,12 @@ def test_metrics_say_which_steps_were_measured(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["mem"][0]["measured"] for r in records] == ["tracker"] * 2 + ["carried"] * 3
     assert all(r["mem"][0]["rss_peak"] > 0 for r in records)
+    off = meshfit("train", "--run-dir", str(tmp_path / "off"), "--set", "train.steps=2", "--set",
+                  "train.device=cpu", "--set", "train.memory_tracking=off")
+    assert off.returncode == 0, off.stderr
+    records = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mem"][0]["measured"] for r in records] == ["counter"] * 2
+    assert all(r["peak_mem_bytes"] == r["mem"][0]["rss_peak"] > 0 for r in records)
 
 
 @pytest.mark.multiproc

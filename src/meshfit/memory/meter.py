@@ -7,7 +7,8 @@ every operator. ``train.memory_tracking`` chooses when they run:
   in step 1, DDP re-orders its buckets in step 2, step 3 is steady), and every step when a CPU budget must be
   enforced (on CPU the tracker is the budget). Later steps carry the last measured breakdown over, marked
   ``"measured": "carried"``, and cost nothing per operator.
-* ``full``: every step. ``off``: no step (refused with a CPU budget).
+* ``full``: every step. ``off``: no step (refused with a CPU budget); each record's peak is then the rank's
+  counter below (``"measured": "counter"``), with no breakdown.
 
 Growth after tracking stops is still caught: every carried step reads each rank's own counter — the CUDA
 allocator's peak of that step, or on CPU the process's peak resident memory — and when any rank's counter
@@ -82,7 +83,8 @@ class MemoryMeter:
 
     def _carry(self, counter: int, world_size: int) -> list[dict[str, Any]]:
         # One small tensor collective instead of pickled breakdowns: each rank's counter and whether it grew.
-        grew = counter > self._baseline * (1 + GROWTH) and counter - self._baseline > GROWTH_MIN_BYTES
+        grew = (self._carried is not None and counter > self._baseline * (1 + GROWTH)
+                and counter - self._baseline > GROWTH_MIN_BYTES)
         local = torch.tensor([counter, int(grew)], dtype=torch.int64,
                              device=self.device if self.device.type == "cuda" else "cpu")
         gathered = [torch.empty_like(local) for _ in range(world_size)]
@@ -90,6 +92,7 @@ class MemoryMeter:
         values = [(int(g[0]), bool(g[1])) for g in gathered]
         self._retrack = any(grew for _, grew in values)
         key = _counter_key(self.device)
-        assert self._carried is not None
+        if self._carried is None:  # `off`: no breakdown was ever measured; the counter is the peak
+            return [{"peak": value, "measured": "counter", key: value} for value, _ in values]
         return [dict(mem, measured="carried", **{key: value}) for mem, (value, _) in zip(self._carried, values,
                                                                                        strict=True)]
