@@ -18,8 +18,9 @@ collective asynchronously. A unit's reduced gradient is not read until the colle
   (in the same order and dtype as FSDP2 would), and `finish()` puts the sums back.
 
 It applies only where FSDP2 reads nothing else of the reduced shard before it is set as the gradient
-(kinds.reduces_in_background says where), and not while a post-accumulate hook reads it: the bf16
-GradientStash of ZeRO-2 turns it off for its micro-batches.
+(kinds.reduces_in_background says where; meshfit sets no FSDP2 divide factor and no all-reduce hook, and a
+collective that FSDP2 would follow by a division blocks), and not while a post-accumulate hook reads it:
+the bf16 GradientStash of ZeRO-2 turns it off for its micro-batches.
 
 Memory: with earlier micro-batches' gradients, a unit's reduced shard waits next to them until the next
 unit's reduce-scatter starts (one unit's shard more than the blocking call holds during a block's backward).
@@ -49,16 +50,21 @@ class HostReduceScatter:
             p.register_post_accumulate_grad_hook(self._reduced)
 
     def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # Called first for the unit's reduce-scatter input: the previous unit's collective finishes before
-        # this input exists, as the blocking call frees the previous input before allocating this one.
+        # Called first for the unit's reduce-scatter input (then for its output): the previous unit's
+        # collective finishes before this input exists, as the blocking call frees the previous input before
+        # allocating this one.
         self._settle()
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
+        # FSDP2 never asks for async_op (it returns nothing it could wait on); whether the call blocks is
+        # decided here. Any other op than AVG (a sum, or a pre-scaled sum) is followed by a division of the
+        # output inside FSDP2, which must see the reduced values: those calls block.
+        background = self.enabled and op == dist.ReduceOp.AVG
         work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=self.enabled)
-        if self.enabled:
+                                          async_op=background)
+        if background:
             self.pending.append((work, []))
         return None
 
@@ -67,7 +73,7 @@ class HostReduceScatter:
         """FSDP2 has set p's gradient to a shard of the latest collective's output."""
         if self.enabled and self.pending:
             self.pending[-1][1].append(p)  # added into the earlier gradient once the collective is done
-        elif p in self.aside:  # reduced without a collective (FSDP2 copies when there is one shard)
+        elif p in self.aside:  # reduced by a blocking call: its values are there already
             _local(self.aside[p]).add_(_local(p.grad))
             p.grad = None
 
@@ -87,6 +93,14 @@ class HostReduceScatter:
         for p, grad in self.aside.items():
             p.grad = grad
         self.aside.clear()
+
+    def abandon(self) -> None:
+        """After a forward or backward that raised: the gradients taken aside are put back as they were
+        (the step is not taken), without waiting for collectives that peers may never join."""
+        for p, grad in self.aside.items():
+            p.grad = grad
+        self.aside.clear()
+        self.pending.clear()
 
     @torch.no_grad()
     def _settle(self) -> None:

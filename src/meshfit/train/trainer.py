@@ -138,17 +138,13 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     if run.host_reduce is not None:
         # The stash reads each reduced shard as soon as FSDP2 sets it: those micro-batches reduce blocking.
         run.host_reduce.begin(enabled=run.stash is None or sync)
-    with ctx:
-        run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
-        run.tracker.phase = "forward"
-        # Loss parallelism: cross-entropy on vocabulary-sharded logits, in forward and backward.
-        with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
-            logits = run.model(inputs.to(run.env.device))
-            loss = lm_loss(logits, targets.to(run.env.device), run.shape.model.vocab_size)
-            run.tracker.phase = "backward"
-            (loss / run.shape.accum_steps).backward()
-        if isinstance(loss, DTensor):
-            loss = loss.full_tensor()
+    try:
+        with ctx:
+            loss = _forward_backward(run, inputs, targets)
+    except BaseException:
+        if run.host_reduce is not None:
+            run.host_reduce.abandon()  # no gradient of an earlier micro-batch stays hidden
+        raise
     if run.host_reduce is not None:
         run.host_reduce.finish()
     if run.stash is not None:
@@ -157,6 +153,18 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
         else:
             run.stash.merge()
     return loss.detach()
+
+
+def _forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
+    run.tracker.phase = "forward"
+    # Loss parallelism: cross-entropy on vocabulary-sharded logits, in forward and backward.
+    with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
+        logits = run.model(inputs.to(run.env.device))
+        loss = lm_loss(logits, targets.to(run.env.device), run.shape.model.vocab_size)
+        run.tracker.phase = "backward"
+        (loss / run.shape.accum_steps).backward()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _kind(run: Run) -> str:
