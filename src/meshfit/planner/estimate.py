@@ -295,17 +295,15 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             grads_loss = n * _reduce_bytes(workload, layout, c_bytes)
             unit_grads = working = 0.0
     # Reduced in the background (parallel/host_reduce.py; not in the micro-batches ZeRO-2's stash takes), a
-    # block's shard of a later micro-batch waits for its collective next to the earlier micro-batches'
-    # gradients while the next block's backward runs (measured with torch's tracker).
+    # later micro-batch's block shard waits for its collective next to the earlier gradients while the next
+    # block's backward runs. A blocking gloo reduce-scatter instead copies its input while it runs (seen by
+    # torch's tracker in its wait): one unit's gradients in the reduce dtype; a cast input has freed the
+    # 16-bit ones by then (2 × 4 bytes per parameter where NCCL holds 2 + 4). Both measured with the tracker.
     background = reduces_in_background(stage, ds, layout.dp_replicate > 1, workload.precision == "mixed",
                                        layout.pp > 1, backend)
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
     pending = (share.block_params * r_bytes / ds
                if background and stage >= 2 and micro > 1 and not stash and share.layers > 1 else 0.0)
-    # gloo's blocking reduce-scatter (CPU ranks) copies its input while it runs (seen by torch's tracker in
-    # the collective's wait; not for NCCL, the fake process group or a background reduce-scatter): one unit's
-    # gradients in the reduce dtype next to the input. A cast input has freed the 16-bit gradients by then
-    # (measured: the unit then holds 2 × 4 bytes per parameter where NCCL holds 2 + 4).
     gloo_copy = (share.block_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
                  if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 and (not background or stash)
                  else 0.0)
