@@ -159,6 +159,10 @@ def _collective(op: str, group: Any, rank: int, size: int, nbytes: int, device: 
         # The calls FSDP2 makes (torch 2.13 names them deprecated; their replacements are newer than 2.11).
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated")
         fn = lambda: dist.all_gather_into_tensor(full, part, group=group)  # noqa: E731
+    elif op == "reduce_scatter" and dist.get_backend(group) == "gloo":
+        from meshfit.parallel.host_reduce import reduce_scatter  # what FSDP2 runs on CPU ranks
+
+        fn = lambda: reduce_scatter(part, full, group, dist.ReduceOp.SUM)  # noqa: E731
     elif op == "reduce_scatter":
         warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor` is deprecated")
         fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731

@@ -28,6 +28,8 @@ unit's reduce-scatter starts (one unit's shard more than the blocking call holds
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,10 +43,11 @@ class HostReduceScatter:
     It has the two methods of FSDP2's ReduceScatter interface, which torch does not export publicly.
     """
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], background: bool) -> None:
         self.params = params
-        self.enabled = True  # off: the blocking call (a micro-batch whose shards a hook reads at once)
-        self.pending: list[tuple[dist.Work, list[nn.Parameter]]] = []
+        self.background = background  # kinds.reduces_in_background: else every call blocks
+        self.enabled = background  # off: the blocking call (a micro-batch whose shards a hook reads at once)
+        self.pending: list[tuple[AllToAllReduce, list[nn.Parameter]]] = []
         self.aside: dict[nn.Parameter, torch.Tensor] = {}  # gradients of earlier micro-batches, by parameter
         for p in params:
             p.register_post_accumulate_grad_hook(self._reduced)
@@ -62,8 +65,7 @@ class HostReduceScatter:
         # decided here. Any other op than AVG (a sum, or a pre-scaled sum) is followed by a division of the
         # output inside FSDP2, which must see the reduced values: those calls block.
         background = self.enabled and op == dist.ReduceOp.AVG
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=background)
+        work = reduce_scatter(output_tensor, input_tensor, group, op, async_op=background)
         if background:
             self.pending.append((work, []))
         return None
@@ -79,8 +81,8 @@ class HostReduceScatter:
 
     def begin(self, enabled: bool) -> None:
         """Before a micro-batch's backward: gradients that FSDP2 would add into are taken aside."""
-        self.enabled = enabled
-        if not enabled:
+        self.enabled = enabled and self.background
+        if not self.enabled:
             return
         for p in self.params:
             if p.grad is not None:
@@ -117,13 +119,56 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def host_reduce_scatter(model: nn.Module, background: bool) -> HostReduceScatter | None:
-    """Install HostReduceScatter on every FSDP2 unit of `model` where the layout reduces in the background
-    (`background`: kinds.reduces_in_background), else None."""
-    if not background or not isinstance(model, FSDPModule):
+class AllToAllReduce:
+    """A reduce-scatter on gloo as one all-to-all and a local sum (see `reduce_scatter`)."""
+
+    def __init__(self, output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: dist.ReduceOp, async_op: bool) -> None:
+        self.output, self.op, self.size = output, op, dist.get_world_size(group)
+        # received[j]: rank j's chunk of this rank's shard.
+        self.received = torch.empty_like(input_tensor)
+        self.work = dist.all_to_all_single(self.received, input_tensor, group=group, async_op=async_op)
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Finish the exchange, then sum (in rank order) into the output; AVG divides by the group size."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        torch.sum(self.received.view(self.size, -1), dim=0, out=self.output)
+        if self.op == dist.ReduceOp.AVG:
+            self.output.div_(self.size)
+        del self.received
+
+
+def reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                   op: dist.ReduceOp, async_op: bool = False) -> AllToAllReduce | None:
+    """reduce_scatter_tensor(output, input_tensor) for gloo: with `async_op` the handle to wait on, else None.
+
+    gloo's own reduce-scatter takes 2-2.5x the time of an all-to-all of the same buffer followed by the
+    sum of the received chunks (2 gloo ranks, 1-16 MiB fp32 buffers: 4.3 vs 2.0 ms at 3 MiB, 21.9 vs
+    9.7 ms at 16 MiB; 4 ranks: 9.1 vs 3.0 ms at 3 MiB), and more than an all-reduce of the whole buffer.
+    Both move (N-1)/N of the buffer per rank; the sum is one pass over memory. The received chunks take one
+    buffer the size of the input until the sum (gloo's own call copies its input too). Ops other than SUM
+    and AVG go to gloo's call.
+    """
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor` is deprecated")
+        return dist.reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
+    handle = AllToAllReduce(output, input_tensor, group, op, async_op)
+    if not async_op:
+        handle.wait()
         return None
-    comm = HostReduceScatter(list(model.parameters()))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(comm)
+    return handle
+
+
+def host_reduce_scatter(model: nn.Module, backend: str, background: bool) -> HostReduceScatter | None:
+    """Install HostReduceScatter on every FSDP2 unit of `model` (a stage list of a pipeline too) on gloo,
+    in the background where the layout allows it (`background`: kinds.reduces_in_background); else None."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if backend != "gloo" or not units:
+        return None
+    comm = HostReduceScatter(list(model.parameters()), background)
+    for unit in units:
+        unit.set_custom_reduce_scatter(comm)
     return comm

@@ -294,19 +294,17 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             gathered = gathered_loss = (share.root_params + (share.layers + 1) * share.block_params) * c_bytes
             grads_loss = n * _reduce_bytes(workload, layout, c_bytes)
             unit_grads = working = 0.0
-    # Reduced in the background (parallel/host_reduce.py; not in the micro-batches ZeRO-2's stash takes), a
-    # later micro-batch's block shard waits for its collective next to the earlier gradients while the next
-    # block's backward runs. A blocking gloo reduce-scatter instead copies its input while it runs (seen by
-    # torch's tracker in its wait): one unit's gradients in the reduce dtype; a cast input has freed the
-    # 16-bit ones by then (2 × 4 bytes per parameter where NCCL holds 2 + 4). Both measured with the tracker.
+    # On gloo a reduce-scatter receives its input's size in chunks (parallel/host_reduce.py): one unit's
+    # gradients in the reduce dtype; a cast input has freed the 16-bit ones (2 × 4 bytes per parameter where
+    # NCCL holds 2 + 4). In the background (not in the micro-batches ZeRO-2's stash takes) a later
+    # micro-batch's block shard waits next to the earlier gradients. Measured with the tracker.
     background = reduces_in_background(stage, ds, layout.dp_replicate > 1, workload.precision == "mixed",
                                        layout.pp > 1, backend)
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
     pending = (share.block_params * r_bytes / ds
                if background and stage >= 2 and micro > 1 and not stash and share.layers > 1 else 0.0)
     gloo_copy = (share.block_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
-                 if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 and (not background or stash)
-                 else 0.0)
+                 if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 else 0.0)
     # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
     # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
     # backward yet; the final norm's and the loss's other temporaries are gone.
@@ -338,6 +336,14 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # The fused AdamW step updates tensor by tensor in place: no temporaries worth counting.
         "optimizer": (params, grads_full, optim, 0.0, buckets),
     }
+    if background and share.layers > 1:
+        # A block's reduce-scatter runs on through the next block's backward: its input and chunks. At
+        # stage 1 (last micro-batch) the input replaced the block's gradients, its shard is new and its
+        # activations are gone (tracker: 2-rank `small`, +1.4 to +3.4% over the real peaks).
+        in_flight = share.block_params * r_bytes * (2 if stage >= 2 else 1 + 1 / ds)
+        freed = act_mb / share.layers if stage == 1 else 0.0
+        phases["reduce in flight"] = (params + gathered, grads_loss + pending, optim,
+                                      block_acts + recompute + working - freed + in_flight, buckets)
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.

@@ -106,9 +106,13 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter,
                stash=None if pipe else gradient_stash(model, shape.zero_stage, shape.mixed_precision,
                                                       shape.accum_steps),
-               host_reduce=host_reduce_scatter(model, reduces_in_background(
-                   shape.zero_stage, shape.dims.dp_shard, shape.dims.dp_replicate > 1, shape.mixed_precision,
-                   pipe is not None, dist.get_backend(meshes.dp.get_group()))))
+               host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group())))
+
+
+def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str) -> HostReduceScatter | None:
+    background = reduces_in_background(shape.zero_stage, shape.dims.dp_shard, shape.dims.dp_replicate > 1,
+                                       shape.mixed_precision, pipelined, backend)
+    return host_reduce_scatter(model, backend, background)
 
 
 def _meter(cfg: Config, env: RankEnv, tracker: Any) -> MemoryMeter:
