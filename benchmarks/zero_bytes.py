@@ -11,7 +11,7 @@ working set against the paper, and what stays between steps; all in bytes per pa
 
 Part 2 (N = 2 and 4 on this machine): the `small` preset in mixed precision, seq 32, two micro-batches of
 one sequence per rank. For each stage the most-loaded rank's peak as planned, dry-run (`meshfit verify`) and
-measured in a real gloo run (steps 2-3), the CPU plan (backend gloo: its reduce-scatters copy their input,
+measured in a real gloo run (steps 2-3), the CPU plan (backend gloo: its reduce-scatters receive chunks,
 which NCCL and the dry run's fake process group do not) against the real run, and its model states (weights + gradients + optimizer states at the
 peak) in bytes per parameter.
 """

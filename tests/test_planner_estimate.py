@@ -11,7 +11,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from meshfit.models import build_model
 from meshfit.models.config import ModelConfig
 from meshfit.models.presets import get_preset
-from meshfit.planner.activations import block_activation_bytes
+from meshfit.planner.activations import block_activation_bytes, block_weight_params
 from meshfit.planner.estimate import estimate_memory
 from meshfit.planner.layout import Layout, Workload
 
@@ -125,3 +125,18 @@ def test_megatron_gpt_activations_within_10_percent_of_korthikanti(model, layout
     workload = Workload(seq_len=2048, global_batch=batch, attention="eager", dropout=0.1)
     planned = estimate_memory(model, layout, workload).activations / 2**30
     assert planned == pytest.approx(published_gib, rel=0.10)
+
+
+def test_cpu_plans_count_the_reduce_scatter_in_flight():
+    # On gloo a block's reduce-scatter (input plus the chunks received, parallel/host_reduce.py) runs on
+    # through the next block's backward; NCCL plans hold neither.
+    model, workload = get_preset("small"), Workload(seq_len=128, global_batch=8, precision="fp32")
+    block = block_weight_params(model) * 4
+    for stage in (2, 3):
+        layout = Layout(dp_shard=2, zero_stage=stage)
+        gpu, cpu = estimate_memory(model, layout, workload), estimate_memory(model, layout, workload, backend="gloo")
+        assert gpu.phase != "reduce in flight" and cpu.phase == "reduce in flight", stage
+        assert 1.5 * block <= cpu.total - gpu.total <= 2.5 * block, (stage, cpu.total - gpu.total, block)
+    # Pipelines reduce blocking at the end of the step: no reduce in flight.
+    piped = estimate_memory(model, Layout(pp=2, dp_shard=2, zero_stage=1), workload, backend="gloo")
+    assert piped.phase != "reduce in flight"

@@ -162,7 +162,7 @@ def _collective(op: str, group: Any, rank: int, size: int, nbytes: int, device: 
     elif op == "reduce_scatter" and dist.get_backend(group) == "gloo":
         from meshfit.parallel.host_reduce import reduce_scatter  # what FSDP2 runs on CPU ranks
 
-        fn = lambda: reduce_scatter(part, full, group, dist.ReduceOp.SUM)  # noqa: E731
+        fn = lambda: reduce_scatter(part, full, group, dist.ReduceOp.AVG)  # noqa: E731
     elif op == "reduce_scatter":
         warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor` is deprecated")
         fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731

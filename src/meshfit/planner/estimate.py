@@ -10,9 +10,9 @@ at the phase with the largest total:
 * ``optimizer``: gradients and states (the fused AdamW step keeps no temporaries worth counting).
 
 Components (bytes), as the memory tracker folds them: ``params`` (resident weights plus gathered copies),
-``grads`` (plus reduce-scatter buffers), ``optim``, ``activations`` (saved tensors, logits, temporaries)
-and ``buffers`` (module buffers, pipeline send/receive buffers). Allocator headroom is not a tensor: the planner adds it when
-it compares the total with a device (see :func:`usable_bytes`).
+``grads`` (plus reduce-scatter buffers), ``optim``, ``activations`` (saved tensors, logits, temporaries) and
+``buffers`` (module buffers, pipeline send/receive buffers). Allocator headroom is not a tensor: the planner
+adds it when it compares the total with a device (see :func:`usable_bytes`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
-# (weight, gradient, {optimizer: state}) bytes per parameter as meshfit keeps them. Mixed precision keeps
-# fp32 master weights, fp32 gradients (reduced in fp32) and fp32 states; bf16 copies exist only for compute.
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
 
 
@@ -337,13 +335,14 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         "optimizer": (params, grads_full, optim, 0.0, buckets),
     }
     if background and share.layers > 1:
-        # A block's reduce-scatter runs on through the next block's backward: its input and chunks. At
-        # stage 1 (last micro-batch) the input replaced the block's gradients, its shard is new and its
-        # activations are gone (tracker: 2-rank `small`, +1.4 to +3.4% over the real peaks).
-        in_flight = share.block_params * r_bytes * (2 if stage >= 2 else 1 + 1 / ds)
-        freed = act_mb / share.layers if stage == 1 else 0.0
+        # A block's reduce-scatter runs on through the next block's backward: its input and chunks (temps,
+        # folded into activations as the tracker does). Measured, the peak comes before the next block's
+        # gradients exist; at stage 1 (last micro-batch) the input replaced the block's gradients, its
+        # shard is new and its activations are gone (2-rank `small`: +1.4 to +3.4% over real peaks).
+        reducing = share.block_params * r_bytes * (2 if stage >= 2 else 1 + 1 / ds)
+        gone = act_mb / share.layers if stage == 1 else 0.0
         phases["reduce in flight"] = (params + gathered, grads_loss + pending, optim,
-                                      block_acts + recompute + working - freed + in_flight, buckets)
+                                      block_acts + recompute + working - gone + reducing, buckets)
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
@@ -390,7 +389,7 @@ def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States,
 def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, backend: str = "nccl"
                     ) -> MemoryEstimate:
     """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases);
-    ``backend`` "gloo" for CPU ranks (reduce-scatters that copy their input or run in the background)."""
+    ``backend`` "gloo" for CPU ranks (reduce-scatters through received chunks, some in the background)."""
     model = pad_vocab_for_tp(model, layout.tp)  # as training builds it
     shares = _layout_shares(model, layout, workload)
     # In-flight micro-batches fall with the pipeline rank, so the most-loaded rank is the first, the last

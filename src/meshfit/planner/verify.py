@@ -19,11 +19,11 @@ data from peers or from tensors, `meshfit.planner.fake_world` answers for them.
 Agreement with real multi-process gloo runs of the tiny model (step peaks): identical bytes for DDP,
 ZeRO-1/2/3, HSDP, TP + SP + loss parallel, activation checkpointing and offload in fp32, and for every
 layout at one rank in mixed precision. Two known differences, both making the dry run lower: on gloo a
-blocking reduce-scatter copies its input, and one reduced in the background keeps the block's shard until it
-is done (NCCL does neither; CPU plans count both), which shows when the peak falls in backward (ZeRO-3 in
-mixed precision at 2 ranks: 4.0% lower); a real pipeline send holds its tensor until it is waited for,
-while a fake send completes at once (1F1B and interleaved schedules: up to one micro-batch's boundary
-activation, 0.2-1.4% on the tiny model).
+reduce-scatter receives chunks the size of its input (parallel/host_reduce.py), and one reduced in the
+background keeps its input, its chunks and the block's shard through the next block's backward (NCCL does
+neither; CPU plans count both), which shows when the peak falls in backward; a real pipeline send holds its
+tensor until it is waited for, while a fake send completes at once (1F1B and interleaved schedules: up to
+one micro-batch's boundary activation, 0.2-1.4% on the tiny model).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
     meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
     stash: GradientStash | None = None  # ZeRO-2 under mixed precision with gradient accumulation
-    host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters in the background on CPU ranks
+    host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters on CPU ranks (host_reduce.py)
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
@@ -110,8 +110,11 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
 
 
 def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str) -> HostReduceScatter | None:
+    """meshfit's reduce-scatter for FSDP2 on gloo; in the background where the layout allows it."""
     background = reduces_in_background(shape.zero_stage, shape.dims.dp_shard, shape.dims.dp_replicate > 1,
                                        shape.mixed_precision, pipelined, backend)
+    # The pipeline schedule runs the backward itself, without begin() and finish() around it.
+    assert not (background and pipelined)
     return host_reduce_scatter(model, backend, background)
 
 
