@@ -177,3 +177,12 @@ def test_profiles_that_do_not_match_the_flags_are_refused(tmp_path, capsys):
     # A CPU profile alone means CPU ranks (no --gpu needed); verify needs no rates, so no calibration.
     assert main([*base, "--hardware", str(cpu), "--gpu-memory", "80MiB", "--precision", "fp32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cluster"]["gpu"] == "cpu"
+
+
+def test_a_calibrated_overlap_hides_that_share_of_the_communication():
+    # calibrate measures the share of a collective that concurrent compute hides: with compute far longer
+    # than the collectives, an overlap of 0.25 leaves three quarters of them exposed (not none of them).
+    for layout in (Layout(dp_replicate=2), Layout(dp_shard=2, zero_stage=3)):
+        exposed, quarter = _time(layout, _profile(overlap=0.0)), _time(layout, _profile(overlap=0.25))
+        assert exposed.dp_comm_s < exposed.compute_s / 2, layout
+        assert quarter.dp_comm_s == pytest.approx(0.75 * exposed.dp_comm_s), layout

@@ -193,8 +193,18 @@ def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: in
     return t
 
 
+def _exposed(comm_s: float, compute_s: float, overlap: float, of_comm: bool) -> float:
+    """Communication seconds left exposed beside ``compute_s``: ``overlap`` is the share of it hidden
+    (``of_comm``: calibrated; on CPU ranks a collective's work takes cycles from the compute beside it), or
+    the share of the compute during which communication runs hidden (DP_OVERLAP, datasheet devices)."""
+    if of_comm:
+        return comm_s - overlap * min(comm_s, compute_s)
+    return max(0.0, comm_s - overlap * compute_s)
+
+
 def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, m: int, compute_s: float,
-             recompute_s: float, cbytes: int, sbytes: int, overlap: float) -> tuple[float, int, int]:
+             recompute_s: float, cbytes: int, sbytes: int, overlap: float, of_comm: bool = False
+             ) -> tuple[float, int, int]:
     """(exposed data-parallel seconds, parameter gathers per step, gradient reductions per step).
 
     DDP (stage 0) all-reduces the gradients once, during the last micro-batch's backward (no_sync before).
@@ -213,7 +223,7 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
         grads = rank_params * sbytes
         backward_last = ((compute_s - recompute_s) * 2.0 / 3.0 + recompute_s) / m
         t = _ring(cluster, "all_reduce", tp, layout.dp, grads, math.ceil(grads / DDP_BUCKET_BYTES))
-        return max(0.0, t - overlap * backward_last), 0, 0
+        return _exposed(t, backward_last, overlap, of_comm), 0, 0
     calls = blocks + 1  # one gather/reduction per block plus the root module (embeddings, norm, head)
     gather = _ring(cluster, "all_gather", tp, shard, rank_params * cbytes, calls) if kind == "fsdp" else 0.0
     rbytes = cbytes if layout.zero_stage == 1 else sbytes
@@ -228,7 +238,7 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
         hidden, fixed = gathers * gather, reduce
     if kind == "replicas":
         gathers = 0  # the weights are whole: only compute-dtype casts, no communication
-    return max(0.0, hidden - overlap * compute_s) + fixed, gathers, reductions
+    return _exposed(hidden, compute_s, overlap, of_comm) + fixed, gathers, reductions
 
 
 @functools.lru_cache(maxsize=256)
@@ -288,7 +298,8 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
 
     ``efficiency``: achievable fraction of the peak FLOP/s (default EFFICIENCY; 1 with a calibrated device,
     whose rates are measured). ``dp_overlap``: fraction of the compute that hides data-parallel
-    communication and offload copies (0 exposes all of it; default DP_OVERLAP, or the calibrated overlap).
+    communication and offload copies (0 exposes all of it; default DP_OVERLAP). A calibrated device's
+    measured overlap is instead the share of the communication hidden (see `_exposed`).
     The layout and workload are assumed to pass their own ``check()``; raises ValueError when the layout's
     world size differs from the cluster's, when the batch does not split into the layout's micro-batches,
     or when the pipeline has more stages than the model has layers.
@@ -296,6 +307,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     prof = cluster.gpu.profile
     if efficiency is None:
         efficiency = 1.0 if prof is not None else EFFICIENCY
+    of_comm = dp_overlap is None and prof is not None
     if dp_overlap is None:
         dp_overlap = prof.overlap if prof is not None else DP_OVERLAP
     local, m = _check(layout, workload, cluster, efficiency, dp_overlap)
@@ -359,7 +371,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     rank_params = n_params / (tp * pp)
     # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
     dp_comm_s, gathers, reductions = _dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
-                                              cbytes, sbytes, dp_overlap)
+                                              cbytes, sbytes, dp_overlap, of_comm)
 
     bubble_s = pp_comm_s = 0.0
     if pp > 1:
@@ -381,7 +393,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     if layout.offload:
         # FSDP copies the shard to the device in its kept dtype and casts there.
         copies = (gathers + reductions) * owned * sbytes / PCIE_BYTES_PER_S
-        offload_s = max(0.0, copies - dp_overlap * compute_s) + step_bytes / HOST_MEM_BYTES_PER_S
+        offload_s = _exposed(copies, compute_s, dp_overlap, of_comm) + step_bytes / HOST_MEM_BYTES_PER_S
         optimizer_s = 0.0
     else:
         bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
