@@ -322,6 +322,9 @@ PLAN_FLAGS = [
          "--micro-batch 2 contradicts micro_batch=1 in --layout", "give it once"),
     case("plan-micro-batch-twice-hyphen", f"{SMALL_PLAN} --layout dp_shard=2,micro-batch=1 --micro-batch 2",
          "--micro-batch 2 contradicts micro_batch=1 in --layout"),
+    # Refused before `--gpu cpu` calibrates this machine (seconds of collectives that would be wasted).
+    case("plan-cpu-micro-batch-twice", "plan --model tiny --gpu cpu --gpu-memory 80MiB --gpus-per-node 2 --layout "
+         "dp_shard=2,micro_batch=1 --micro-batch 2", "--micro-batch 2 contradicts micro_batch=1", "!calibrating"),
     case("verify-checkpointing-twice", "verify --model tiny --seq-len 64 --layout dp_shard=2,activation_checkpointing=op "
          "--activation-checkpointing full", "--activation-checkpointing full contradicts activation_checkpointing=op"),
 ]

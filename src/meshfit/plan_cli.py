@@ -231,10 +231,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     check_out_file(args.out)
     name, model = resolve_model(args.model, args.dims)
+    # Flags are checked before the cluster: --gpu cpu without --hardware calibrates this machine first.
+    layout = layout_from_args(args) if args.layout else None
     cluster = resolve_cluster(args)
     workload = resolve_workload(args, cluster.world_size)
-    if args.layout:
-        layout = layout_from_args(args)
+    if layout is not None:
         check_layout(model, layout, workload, cluster)
         plan = Plan(model=model, model_name=name, workload=workload, cluster=cluster,
                     candidates=[evaluate(model, layout, workload, cluster)])
