@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.train.grad_norm import GradSquares
+
 
 class NonFiniteError(RuntimeError):
     """A NaN/Inf loss or gradient: every rank stops at the same step, parameters untouched."""
@@ -34,14 +36,12 @@ class StepGuard:
         params = list(self.run.model.parameters())
         return [self.faults.after_backward(self.run.step + 1, params, losses[0]), *losses[1:]]
 
-    def locally_finite(self, losses: list[torch.Tensor]) -> bool:
+    def locally_finite(self, losses: list[torch.Tensor], squares: GradSquares) -> bool:
         """This rank's loss and own gradient shards are finite. Checked before clipping, which spreads one
-        rank's NaN to every rank through the global norm, so the report names the rank where it began."""
-        grads = [g.to_local() if hasattr(g, "to_local") else g
-                 for g in (p.grad for p in self.run.model.parameters()) if g is not None]
+        rank's NaN to every rank through the global norm, so the report names the rank where it began.
+        `squares`: this rank's sums of squares of its gradients, taken once for the guard and clipping."""
         values = [loss.detach().float().reshape(()) for loss in losses]
-        values += [n.float() for n in torch._foreach_norm(grads)] if grads else []
-        return bool(torch.isfinite(torch.stack(values)).all())
+        return bool(torch.isfinite(torch.stack(values)).all()) and squares.finite()
 
     def allow_step(self, local_ok: bool, grad_norm: torch.Tensor) -> bool:
         """Agree with every rank; returns whether the optimizer may step (raises NonFiniteError on stop).

@@ -37,7 +37,7 @@ from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.faults import Faults, StopRequest, Watchdog
-from meshfit.train.grad_norm import clip_grad_norm
+from meshfit.train.grad_norm import clip_grad_norm, grad_squares
 from meshfit.train.guard import StepGuard
 from meshfit.train.loss import lm_loss
 from meshfit.train.metrics import MetricsLog, mfu, peak_flops
@@ -186,11 +186,12 @@ def _ddp(run: Run) -> bool:
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool) -> torch.Tensor:
     run.tracker.phase = "optimizer step"
     pp_group = run.pipe.group if run.pipe else None
-    local_ok = guard.locally_finite(losses) if guard is not None else True
     params = list(run.model.parameters())
+    squares = grad_squares(params)
+    local_ok = guard.locally_finite(losses, squares) if guard is not None else True
     if _ddp(run) and tracking:
         run.tracker.claim_gradients(params)
-    grad_norm = clip_grad_norm(params, run.cfg.train.grad_clip, pp_group)
+    grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, pp_group)
     if guard is not None and not guard.allow_step(local_ok, grad_norm):
         return grad_norm  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
