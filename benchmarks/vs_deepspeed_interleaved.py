@@ -1,0 +1,139 @@
+"""meshfit and DeepSpeed step by step inside the same two processes: the step-time ratio without run-to-run noise.
+
+    .venv-peers/bin/python benchmarks/vs_deepspeed_interleaved.py [--steps N] [--only ddp,pp]
+
+vs_deepspeed.py runs each engine in its own processes, so every ratio also carries how fast the shared
+host happened to be during each run (its pairs of a layout spread over ±10-20% here). This one builds both
+engines in the same 2 gloo rank processes (one intra-op thread each) — the same model, data, optimizer,
+schedule, clipping and layout as vs_deepspeed.py, whose pieces it reuses — and alternates their steps
+(meshfit, DeepSpeed, DeepSpeed, meshfit, ...), with a barrier before each, so both see the same machine
+within a second. meshfit steps through its trainer's own `train_step` with its step guard, default
+settings; DeepSpeed through vs_deepspeed's loop. Per layout it prints the median step time of each engine
+over the steady steps, the median of the per-step ratios with a 95% bootstrap interval, and the largest
+loss difference (the two engines see the same batches, so their losses agree step by step).
+
+Peak memory cannot be told apart inside one process: vs_deepspeed.py measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_deepspeed as vs  # noqa: E402  (the shared layouts, model, data and DeepSpeed loop)
+
+
+def _build_meshfit(layout: str, steps: int) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from meshfit.config import load_config
+    from meshfit.train.dist import RankEnv
+    from meshfit.train.guard import StepGuard
+    from meshfit.train.trainer import build_run
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = build_run(load_config(None, vs.overrides(layout, steps)), RankEnv(rank, world, rank, torch.device("cpu")),
+                    None)
+    return run, StepGuard(run, faults=None, stop=None, checkpointer=None)
+
+
+def worker(layout: str, steps: int) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from meshfit.data import TokenBatches, make_source
+    from meshfit.train.trainer import train_step
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    run, guard = _build_meshfit(layout, steps)
+    cfg_model = run.cfg.model.resolve()
+    pipeline = vs.LAYOUTS[layout][1] is None
+    dp_size, dp_rank = (1, 0) if pipeline else (dist.get_world_size(), dist.get_rank())
+    engine = vs._build_engine(layout, run.cfg, cfg_model, dp_size)
+    source = make_source("synthetic", path=None, vocab_size=cfg_model.vocab_size, seed=vs.SEED)
+    batches = TokenBatches(source, seq_len=vs.SEQ_LEN, global_batch=vs.GLOBAL_BATCH, dp_rank=dp_rank,
+                           dp_size=dp_size)
+    times: dict[str, list[float]] = {"meshfit": [], "deepspeed": []}
+    losses: dict[str, list[float]] = {"meshfit": [], "deepspeed": []}
+    for step in range(steps):
+        for name in ("meshfit", "deepspeed") if step % 2 == 0 else ("deepspeed", "meshfit"):
+            dist.barrier()
+            start = time.perf_counter()
+            if name == "meshfit":
+                loss = train_step(run, guard)["loss"]
+            else:
+                loss = vs._train_step(engine, batches, cfg_model.vocab_size, pipeline)
+            times[name].append(time.perf_counter() - start)
+            losses[name].append(loss)
+    if dist.get_rank() == 0:
+        print("@result " + json.dumps({"times": times, "losses": losses}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bootstrap(ratios: list[float], rounds: int = 2000) -> tuple[float, float]:
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+
+
+def summarize(layout: str, times: dict[str, list[float]], losses: dict[str, list[float]]) -> str:
+    steady = slice(vs.FIRST_STEADY - 1, None)
+    mf, ds = times["meshfit"][steady], times["deepspeed"][steady]
+    ratios = [a / b for a, b in zip(mf, ds, strict=True)]
+    low, high = _bootstrap(ratios)
+    dloss = max(abs(a - b) for a, b in zip(losses["meshfit"], losses["deepspeed"], strict=True))
+    return (f"{layout:6s} {statistics.median(mf) * 1e3:8.0f} {statistics.median(ds) * 1e3:8.0f}   "
+            f"{statistics.median(ratios):6.3f} [{low:.3f}–{high:.3f}]   {len(ratios):5d}   {dloss:.1e}")
+
+
+def run_layout(layout: str, steps: int) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(vs.NPROC),
+           str(Path(__file__).resolve()), "--worker", "--layout", layout, "--steps", str(steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    marker = next((line for line in proc.stdout.splitlines() if line.startswith("@result ")), None)
+    if proc.returncode != 0 or marker is None:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        raise SystemExit(f"{layout}: the interleaved run failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(marker.removeprefix("@result "))
+    return summarize(layout, result["times"], result["losses"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="steps per engine and layout (default 40)")
+    parser.add_argument("--only", default=",".join(vs.LAYOUTS), help=f"subset of {','.join(vs.LAYOUTS)}")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.layout, args.steps)
+        return
+    layouts = [name.strip() for name in args.only.split(",") if name.strip()]
+    if unknown := [name for name in layouts if name not in vs.LAYOUTS]:
+        parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(vs.LAYOUTS)}")
+    if args.steps <= vs.FIRST_STEADY:
+        parser.error(f"--steps must be > {vs.FIRST_STEADY} (steps 1..{vs.FIRST_STEADY - 1} are warm-up)")
+    print(f"meshfit / DeepSpeed step by step in the same processes: model {vs.PRESET}, {vs.NPROC} gloo ranks × 1 "
+          f"thread, global batch {vs.GLOBAL_BATCH} × {vs.SEQ_LEN}, micro-batch {vs.MICRO}, fp32; steady steps "
+          f"{vs.FIRST_STEADY}..{args.steps}")
+    print(f"{'layout':6s} {'mf ms':>8s} {'ds ms':>8s}   {'ratio [95% interval]':>22s}   {'steps':>5s}   max |Δloss|")
+    for layout in layouts:
+        print(run_layout(layout, args.steps), flush=True)
+
+
+if __name__ == "__main__":
+    main()
