@@ -38,6 +38,7 @@ DeepSpeed's first start JIT-compiles a small communication op once (cached under
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -327,6 +328,8 @@ def main() -> None:
     if args.deepspeed_worker:
         deepspeed_worker(args.layout, args.steps, args.out)
         return
+    if importlib.util.find_spec("deepspeed") is None:
+        parser.error(f"DeepSpeed is not installed for {sys.executable}: create the benchmark environment with the recipe at the top of benchmarks/vs_deepspeed.py (.venv-peers) and run this with its python")
     layouts = [name.strip() for name in args.only.split(",") if name.strip()]
     if unknown := [name for name in layouts if name not in LAYOUTS]:
         parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
