@@ -209,6 +209,8 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
 
 
 def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
+    if run.shape.dims.dp == 1:  # pipeline and tensor-parallel ranks already share the loss
+        return float(value)
     value = value.clone()
     dist.all_reduce(value, group=run.meshes.dp.get_group())
     return float(value) / run.shape.dims.dp
