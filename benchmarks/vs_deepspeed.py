@@ -315,6 +315,13 @@ def report(pairs: dict[str, list[dict[str, float]]], walls: dict[str, list[dict[
             print(f"        note: RSS sampled on fewer than {NPROC} ranks in some runs")
 
 
+def require_deepspeed(parser: argparse.ArgumentParser) -> None:
+    """A clear error, not a rank traceback, when this Python has no DeepSpeed."""
+    if importlib.util.find_spec("deepspeed") is None:
+        parser.error(f"DeepSpeed is not installed for {sys.executable}: create the benchmark environment with "
+                     "the recipe at the top of benchmarks/vs_deepspeed.py (.venv-peers) and run this with its python")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="pairs per layout (default 3)")
@@ -328,8 +335,7 @@ def main() -> None:
     if args.deepspeed_worker:
         deepspeed_worker(args.layout, args.steps, args.out)
         return
-    if importlib.util.find_spec("deepspeed") is None:
-        parser.error(f"DeepSpeed is not installed for {sys.executable}: create the benchmark environment with the recipe at the top of benchmarks/vs_deepspeed.py (.venv-peers) and run this with its python")
+    require_deepspeed(parser)
     layouts = [name.strip() for name in args.only.split(",") if name.strip()]
     if unknown := [name for name in layouts if name not in LAYOUTS]:
         parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")

@@ -18,7 +18,6 @@ Peak memory cannot be told apart inside one process: vs_deepspeed.py measures it
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -123,8 +122,7 @@ def main() -> None:
     if args.worker:
         worker(args.layout, args.steps)
         return
-    if importlib.util.find_spec("deepspeed") is None:
-        parser.error(f"DeepSpeed is not installed for {sys.executable}: create the benchmark environment with the recipe at the top of benchmarks/vs_deepspeed.py (.venv-peers) and run this with its python")
+    vs.require_deepspeed(parser)
     layouts = [name.strip() for name in args.only.split(",") if name.strip()]
     if unknown := [name for name in layouts if name not in vs.LAYOUTS]:
         parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(vs.LAYOUTS)}")
