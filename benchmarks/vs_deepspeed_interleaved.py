@@ -8,7 +8,8 @@ engines in the same 2 gloo rank processes (one intra-op thread each) — the sam
 schedule, clipping and layout as vs_deepspeed.py, whose pieces it reuses — and alternates their steps
 (meshfit, DeepSpeed, DeepSpeed, meshfit, ...), with a barrier before each, so both see the same machine
 within a second. meshfit steps through its trainer's own `train_step` with its step guard, default
-settings; DeepSpeed through vs_deepspeed's loop. Per layout it prints the median step time of each engine
+settings (the heap settings of memory/host_heap.py apply to both engines here, as the processes are shared);
+DeepSpeed through vs_deepspeed's loop. Per layout it prints the median step time of each engine
 over the steady steps, the median of the per-step ratios with a 95% bootstrap interval, and the largest
 loss difference (the two engines see the same batches, so their losses agree step by step).
 
@@ -53,9 +54,12 @@ def worker(layout: str, steps: int) -> None:
     import torch.distributed as dist
 
     from meshfit.data import TokenBatches, make_source
+    from meshfit.memory.host_heap import keep_freed_blocks
     from meshfit.train.trainer import train_step
 
     torch.set_num_threads(1)
+    # What `meshfit train` sets in each CPU rank; the process is shared, so DeepSpeed's steps run under it too.
+    keep_freed_blocks()
     deepspeed.init_distributed(dist_backend="gloo")
     run, guard = _build_meshfit(layout, steps)
     cfg_model = run.cfg.model.resolve()

@@ -21,6 +21,7 @@ INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 def run_worker(run_dir: Path, cfg: Any, quiet: bool = False) -> int:
     """Train this rank; returns the exit code. Errors are reported in run_dir/failures, not raised."""
+    from meshfit.memory.host_heap import keep_freed_blocks
     from meshfit.train.dist import init_distributed, teardown
     from meshfit.train.faults import write_failure
     from meshfit.train.trainer import train
@@ -29,6 +30,8 @@ def run_worker(run_dir: Path, cfg: Any, quiet: bool = False) -> int:
     with warnings_to_log(run_dir, rank):
         try:
             env = init_distributed(cfg.train.device, cfg.train.timeout_s)
+            if env.device.type == "cpu":  # tensors in the C heap: see memory/host_heap.py
+                keep_freed_blocks()
             train(cfg, env, run_dir)
         except KeyboardInterrupt:
             _abandon_group()  # Ctrl-C before the stop request was in place: nothing began, nothing to save

@@ -1,0 +1,57 @@
+"""The C heap under CPU ranks' tensors: glibc's malloc tuned for a training loop (a no-op without glibc).
+
+torch's CPU tensors come from the C library's malloc. glibc decides per allocation between its heap and a
+fresh mapping (``M_MMAP_THRESHOLD``) and gives the heap's free top back to the OS once it exceeds
+``M_TRIM_THRESHOLD``. Both start at 128 KiB and only ratchet up (to at most 32 and 64 MiB) when a mapped
+block larger than the threshold is freed. A training step frees and re-allocates the same blocks every
+step (activations; FSDP2's gathered weights and reduce-scatter buffers, 2.9 MB per block of `small`), and
+with thresholds still low each step hands those pages back and faults them in again: 6,000-9,000 minor
+page faults per steady ZeRO-1 step of `small` on 2 CPU ranks, 3,000-7,000 at ZeRO-2, against 10-700 for
+DDP, whose buckets persist. Starting at glibc's own ceilings keeps the blocks in the heap: 15-1,200 faults
+per steady step for ZeRO-1 and ZeRO-3 (measured over steps 5-12), with DDP's peak RSS within 1%.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+# mallopt parameters (glibc's malloc.h) and the values glibc's dynamic thresholds stop at on 64-bit.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+
+
+@functools.cache
+def _libc() -> Any | None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt, libc.malloc_trim  # glibc; musl and macOS lack one or both
+    except (AttributeError, OSError):
+        return None
+    return libc
+
+
+def keep_freed_blocks() -> bool:
+    """For a CPU training rank: keep freed blocks up to 32 MiB in the heap for the next step's allocations
+    (both thresholds at glibc's ceilings from the start). Returns whether glibc took the settings."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
+                                                                                         TRIM_THRESHOLD))
+
+
+def return_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS after a tracked step (a no-op without glibc).
+
+    A tracked step interleaves the tracker's small bookkeeping allocations with tensor blocks, so blocks
+    freed in that step stay stranded in the heap and later steps grow it instead of reusing them. Measured
+    on `small`, one CPU process, 3 tracked steps then 9 untracked: peak RSS 488 MiB, 464 MiB with this
+    after each tracked step, 450 MiB with no tracking; the untracked steps' time is unchanged (it is only
+    called after tracked steps: after every step it would cost a quarter more time in page faults).
+    """
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
