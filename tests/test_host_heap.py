@@ -33,29 +33,48 @@ def _faults(mode: str) -> list[int]:
 
 
 def test_keep_freed_blocks_reuses_them_from_the_second_round():
-    pages = (20 << 20) // 4096
     default, keep = _faults("default"), _faults("keep")
-    # glibc's defaults map the first block, free it, then extend the heap for the second: faults twice.
-    assert default[1] > pages // 2, default
-    # Kept: the heap block freed in round 1 serves every later round without a fault.
-    assert keep[0] > pages // 2 and max(keep[1:]) < pages // 20, keep
+    # glibc's defaults map the first block, free it, then extend the heap for the second: it faults again.
+    # Kept: the heap block freed in round 1 serves every later round. (Relative, so that huge pages, which
+    # fault once per 2 MiB, pass as well.)
+    assert default[1] > 0 and max(keep[1:]) * 10 <= default[1], (default, keep)
 
 
-def _rss_mib() -> int:
+# 128 MiB in 64 KiB blocks (heap-sized under any threshold), freed: what free() keeps and the trim returns.
+# glibc's own trim at free() is held off (M_TRIM_THRESHOLD 1 GiB) so that the pages are surely stranded.
+_STRANDED = """
+import ctypes
+from meshfit.memory import host_heap
+host_heap._libc().mallopt(-1, 1 << 30)
+def rss():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS"))
+blocks = [bytearray(64 * 1024) for _ in range(2048)]
+for block in blocks:
+    block[::4096] = b"\\x01" * len(block[::4096])
+held = rss()
+del blocks
+stranded = rss()
+host_heap.return_free_heap()
+print(held, stranded, rss())
+"""
 
 
 def test_return_free_heap_gives_stranded_heap_pages_back():
-    blocks = [bytearray(64 * 1024) for _ in range(2048)]  # 128 MiB in heap-sized blocks (under mmap's threshold)
-    for block in blocks:
-        block[::4096] = b"\x01" * len(block[::4096])  # touch every page
-    pin = bytearray(1024)  # allocated after them: the heap top cannot shrink past it
-    held = _rss_mib()
-    del blocks
-    stranded = _rss_mib()
-    host_heap.return_free_heap()
-    after = _rss_mib()
+    out = subprocess.run([sys.executable, "-c", _STRANDED], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    held, stranded, after = (int(v) for v in out.stdout.split())
     assert held - stranded < 32, (held, stranded)  # free() alone keeps the pages
     assert stranded - after > 96, (stranded, after)
-    del pin
+
+
+def test_a_cpu_training_rank_keeps_freed_blocks(tmp_path, monkeypatch):
+    from meshfit.config import load_config
+    from meshfit.train.worker import run_worker
+
+    calls = []
+    monkeypatch.setattr(host_heap, "keep_freed_blocks", lambda: calls.append(1) or True)
+    cfg = load_config(None, ["model.preset=tiny", "train.steps=1", "train.device=cpu", "train.global_batch=2",
+                             "train.seq_len=16", "checkpoint.at_end=false"])
+    assert run_worker(tmp_path, cfg, quiet=True) == 0
+    assert calls == [1]

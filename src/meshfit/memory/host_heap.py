@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
 
 # mallopt parameters (glibc's malloc.h) and the values glibc's dynamic thresholds stop at on 64-bit.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -24,27 +23,33 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 
 
 @functools.cache
-def _libc() -> Any | None:
+def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt, libc.malloc_trim  # glibc; musl and macOS lack one or both
-    except (AttributeError, OSError):
+        libc = ctypes.CDLL(None)  # the symbols the process already has: glibc's on Linux
+    except (OSError, TypeError):  # TypeError: Windows has no such handle
         return None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):  # musl and macOS lack one or both
+        return None
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     return libc
 
 
 def keep_freed_blocks() -> bool:
-    """For a CPU training rank: keep freed blocks up to 32 MiB in the heap for the next step's allocations
-    (both thresholds at glibc's ceilings from the start). Returns whether glibc took the settings."""
+    """For a CPU training rank: keep freed blocks up to MMAP_THRESHOLD in the heap for the next step's
+    allocations (both thresholds at glibc's ceilings from the start). Process-wide, for the rest of the
+    process. Returns whether glibc took both settings."""
     libc = _libc()
     if libc is None:
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
-                                                                                         TRIM_THRESHOLD))
+    mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return mmap_ok and trim_ok
 
 
 def return_free_heap() -> None:
-    """Hand the C heap's free pages back to the OS after a tracked step (a no-op without glibc).
+    """Hand the C heap's free pages back to the OS (a no-op without glibc); the memory meter calls it after
+    each step it tracks in `auto` mode.
 
     A tracked step interleaves the tracker's small bookkeeping allocations with tensor blocks, so blocks
     freed in that step stay stranded in the heap and later steps grow it instead of reusing them. Measured

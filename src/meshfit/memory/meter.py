@@ -10,7 +10,8 @@ every operator. ``train.memory_tracking`` chooses when they run:
 * ``full``: every step. ``off``: no step (refused with a CPU budget); each record's peak is then the rank's
   counter below (``"measured": "counter"``), with no breakdown.
 
-After each step ``auto`` tracked, the C heap's free pages go back to the OS (``host_heap.return_free_heap``).
+After each step ``auto`` tracks (not in ``full`` mode, a CPU budget's included), the C heap's free pages go
+back to the OS (``host_heap.return_free_heap``).
 
 Growth after tracking stops is still caught: every carried step reads each rank's own counter — the CUDA
 allocator's peak of that step, or on CPU the process's peak resident memory — and when any rank's counter
