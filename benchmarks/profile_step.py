@@ -30,9 +30,11 @@ def profile_job(overrides: list[str], rows: int) -> tuple[float, str]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from meshfit.memory.host_heap import keep_freed_blocks
     from meshfit.train.dist import init_distributed
     from meshfit.train.trainer import build_run, train_step
 
+    keep_freed_blocks()  # as `meshfit train` sets on CPU ranks (run_worker)
     cfg = load_config(None, BASE + overrides)
     run = build_run(cfg, init_distributed("cpu"), None)
     for _ in range(4):

@@ -13,6 +13,13 @@ DeepSpeed through vs_deepspeed's loop. Per layout it prints the median step time
 over the steady steps, the median of the per-step ratios with a 95% bootstrap interval, and the largest
 loss difference (the two engines see the same batches, so their losses agree step by step).
 
+A launch's interval covers only its own steps, yet launches of the same code differ by more than that
+(ZeRO-1 gave 0.98 in one launch and 1.04 in another): something fixed for a launch (where the heap and
+the ranks happened to land) weighs on each engine differently. With `--launches N` each layout runs N
+times, the layouts in rotation, and the last line per layout pools them: the median of the launch
+medians, with a 95% interval from resampling launches and then steps within each (a ratio that holds
+across launches, not just within one).
+
 Peak memory cannot be told apart inside one process: vs_deepspeed.py measures it.
 """
 
@@ -26,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,23 +95,55 @@ def worker(layout: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def _bootstrap(ratios: list[float], rounds: int = 2000) -> tuple[float, float]:
+def _interval(estimates: list[float], rounds: int) -> tuple[float, float]:
+    estimates = sorted(estimates)
+    return estimates[int(0.025 * rounds)], estimates[int(0.975 * rounds) - 1]
+
+
+def bootstrap(launches: list[list[float]], rounds: int = 2000) -> tuple[float, float]:
+    """95% interval of the median of per-launch median ratios: launches resampled, then steps in each.
+
+    With one launch it is the plain bootstrap of that launch's median ratio."""
     rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
-    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+    estimates = []
+    for _ in range(rounds):
+        picked = rng.choices(launches, k=len(launches))
+        estimates.append(statistics.median(statistics.median(rng.choices(r, k=len(r))) for r in picked))
+    return _interval(estimates, rounds)
 
 
-def summarize(layout: str, times: dict[str, list[float]], losses: dict[str, list[float]]) -> str:
+@dataclass
+class Launch:
+    """One launch of a layout: per steady step, the ratio meshfit / DeepSpeed and both times."""
+
+    meshfit: list[float]
+    deepspeed: list[float]
+    dloss: float
+
+    @property
+    def ratios(self) -> list[float]:
+        return [a / b for a, b in zip(self.meshfit, self.deepspeed, strict=True)]
+
+
+def launch_from(times: dict[str, list[float]], losses: dict[str, list[float]]) -> Launch:
     steady = slice(vs.FIRST_STEADY - 1, None)
-    mf, ds = times["meshfit"][steady], times["deepspeed"][steady]
-    ratios = [a / b for a, b in zip(mf, ds, strict=True)]
-    low, high = _bootstrap(ratios)
     dloss = max(abs(a - b) for a, b in zip(losses["meshfit"], losses["deepspeed"], strict=True))
-    return (f"{layout:6s} {statistics.median(mf) * 1e3:8.0f} {statistics.median(ds) * 1e3:8.0f}   "
-            f"{statistics.median(ratios):6.3f} [{low:.3f}–{high:.3f}]   {len(ratios):5d}   {dloss:.1e}")
+    return Launch(times["meshfit"][steady], times["deepspeed"][steady], dloss)
 
 
-def run_layout(layout: str, steps: int) -> str:
+def summarize(layout: str, launches: list[Launch], label: str = "") -> str:
+    """One table row: median times and ratio of `launches` (one launch, or all of a layout pooled)."""
+    low, high = bootstrap([launch.ratios for launch in launches])
+    medians = [statistics.median(launch.ratios) for launch in launches]
+    mf = statistics.median(statistics.median(launch.meshfit) for launch in launches)
+    ds = statistics.median(statistics.median(launch.deepspeed) for launch in launches)
+    steps = sum(len(launch.ratios) for launch in launches)
+    dloss = max(launch.dloss for launch in launches)
+    return (f"{layout + label:14s} {mf * 1e3:8.0f} {ds * 1e3:8.0f}   "
+            f"{statistics.median(medians):6.3f} [{low:.3f}–{high:.3f}]   {steps:5d}   {dloss:.1e}")
+
+
+def run_layout(layout: str, steps: int) -> Launch:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(vs.NPROC),
            str(Path(__file__).resolve()), "--worker", "--layout", layout, "--steps", str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
@@ -113,13 +153,15 @@ def run_layout(layout: str, steps: int) -> str:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
         raise SystemExit(f"{layout}: the interleaved run failed (exit {proc.returncode}):\n{tail}")
     result = json.loads(marker.removeprefix("@result "))
-    return summarize(layout, result["times"], result["losses"])
+    return launch_from(result["times"], result["losses"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="steps per engine and layout (default 40)")
     parser.add_argument("--only", default=",".join(vs.LAYOUTS), help=f"subset of {','.join(vs.LAYOUTS)}")
+    parser.add_argument("--launches", type=int, default=1,
+                        help="launches per layout, layouts in rotation; pooled per layout at the end (default 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -132,12 +174,22 @@ def main() -> None:
         parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(vs.LAYOUTS)}")
     if args.steps <= vs.FIRST_STEADY:
         parser.error(f"--steps must be > {vs.FIRST_STEADY} (steps 1..{vs.FIRST_STEADY - 1} are warm-up)")
+    if args.launches < 1:
+        parser.error("--launches must be ≥ 1")
     print(f"meshfit / DeepSpeed step by step in the same processes: model {vs.PRESET}, {vs.NPROC} gloo ranks × 1 "
           f"thread, global batch {vs.GLOBAL_BATCH} × {vs.SEQ_LEN}, micro-batch {vs.MICRO}, fp32; steady steps "
           f"{vs.FIRST_STEADY}..{args.steps}")
-    print(f"{'layout':6s} {'mf ms':>8s} {'ds ms':>8s}   {'ratio [95% interval]':>22s}   {'steps':>5s}   max |Δloss|")
-    for layout in layouts:
-        print(run_layout(layout, args.steps), flush=True)
+    print(f"{'layout':14s} {'mf ms':>8s} {'ds ms':>8s}   {'ratio [95% interval]':>22s}   {'steps':>5s}   max |Δloss|")
+    results: dict[str, list[Launch]] = {layout: [] for layout in layouts}
+    for index in range(args.launches):
+        for layout in layouts:
+            results[layout].append(run_layout(layout, args.steps))
+            label = f" #{index + 1}" if args.launches > 1 else ""
+            print(summarize(layout, results[layout][-1:], label), flush=True)
+    if args.launches > 1:
+        print(f"pooled over {args.launches} launches: median of the launch medians, launches and steps resampled")
+        for layout in layouts:
+            print(summarize(layout, results[layout]), flush=True)
 
 
 if __name__ == "__main__":
