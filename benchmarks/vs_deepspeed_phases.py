@@ -1,0 +1,174 @@
+"""Where a step's time goes in meshfit and in DeepSpeed, phase by phase, inside the same two processes.
+
+    .venv-peers/bin/python benchmarks/vs_deepspeed_phases.py [--steps N] [--only ddp,zero1]
+
+Built and alternated as in vs_deepspeed_interleaved.py (same model, data, optimizer and layout, a barrier
+before every step). For each micro-batch it times the forward (the model's call, from its forward pre-hook
+to its forward hook, the engine's hooks included) and what follows it up to the next phase (loss, backward and
+the engine's bookkeeping after it); then the optimizer
+phase (meshfit: guard, clipping, AdamW, zeroing; DeepSpeed: its `engine.step()` calls, including the
+collectives it runs at the accumulation boundary) and the rest of the step (data, loss mean, metrics).
+Per layout and engine it prints the median of each phase over the steady steps, in ms. The pipeline layout
+has no per-micro-batch phases to split this way and is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_deepspeed as vs  # noqa: E402
+import vs_deepspeed_interleaved as vi  # noqa: E402
+
+LAYOUTS = [name for name, (_, stage) in vs.LAYOUTS.items() if stage is not None]
+
+
+class Clock:
+    """Time marks of one step: `mark(name)` starts phase `name` (and ends the one before)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def phases(self) -> dict[str, float]:
+        """Milliseconds per phase, phases of the same name numbered in order (fwd1, bwd1, fwd2, ...)."""
+        out: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        for (name, start), (_, end) in zip(self.marks, self.marks[1:], strict=False):
+            if name == "end":
+                break
+            seen[name] = seen.get(name, 0) + 1
+            key = f"{name}{seen[name]}" if name in ("fwd", "bwd") else name
+            out[key] = out.get(key, 0.0) + (end - start) * 1e3
+        return out
+
+
+def _time_forward(model: Any, clock: Clock) -> None:
+    # Before FSDP2's own pre-forward (its root all-gather belongs to the forward) and after its post-forward.
+    model.register_forward_pre_hook(lambda *_: clock.mark("fwd"), prepend=True)
+    model.register_forward_hook(lambda *_: clock.mark("bwd"))  # loss and backward follow the forward
+
+
+def worker(layout: str, steps: int) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from meshfit.data import TokenBatches, make_source
+    from meshfit.memory.host_heap import keep_freed_blocks
+    from meshfit.train import trainer
+    from meshfit.train.loss import lm_loss
+
+    torch.set_num_threads(1)
+    keep_freed_blocks()
+    deepspeed.init_distributed(dist_backend="gloo")
+    run, guard = vi._build_meshfit(layout, steps)
+    model_cfg = run.cfg.model.resolve()
+    engine = vs._build_engine(layout, run.cfg, model_cfg, dist.get_world_size())
+    batches = TokenBatches(make_source("synthetic", path=None, vocab_size=model_cfg.vocab_size, seed=vs.SEED),
+                           seq_len=vs.SEQ_LEN, global_batch=vs.GLOBAL_BATCH, dp_rank=dist.get_rank(),
+                           dp_size=dist.get_world_size())
+    clock = Clock()
+    _time_forward(run.model, clock)
+    _time_forward(engine.module, clock)
+    optimizer_step = trainer._optimizer_step
+
+    def timed_optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        clock.mark("step")
+        result = optimizer_step(*args, **kwargs)
+        clock.mark("rest")
+        return result
+
+    trainer._optimizer_step = timed_optimizer_step
+
+    def deepspeed_step() -> None:
+        inputs, targets = batches.next_batch()
+        losses = []
+        for x, y in zip(inputs.split(vs.MICRO), targets.split(vs.MICRO), strict=True):
+            loss = lm_loss(engine(x), y, model_cfg.vocab_size)
+            engine.backward(loss)
+            clock.mark("step")
+            engine.step()
+            clock.mark("rest")
+            losses.append(loss.detach())
+        mean = torch.stack(losses).mean()
+        dist.all_reduce(mean)
+        float(mean)
+
+    phases: dict[str, list[dict[str, float]]] = {"meshfit": [], "deepspeed": []}
+    for step in range(steps):
+        for name in ("meshfit", "deepspeed") if step % 2 == 0 else ("deepspeed", "meshfit"):
+            dist.barrier()
+            clock.marks.clear()
+            clock.mark("rest")
+            trainer.train_step(run, guard) if name == "meshfit" else deepspeed_step()
+            clock.mark("end")
+            phases[name].append(clock.phases())
+    if dist.get_rank() == 0:
+        print("@result " + json.dumps(phases), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _order(key: str) -> tuple[int, int, int]:
+    """fwd1, bwd1, fwd2, bwd2, ..., step, rest."""
+    if key in ("step", "rest"):
+        return (1, key == "rest", 0)
+    return (0, int(key[3:]), key.startswith("bwd"))
+
+
+def table(layout: str, phases: dict[str, list[dict[str, float]]]) -> str:
+    lines = [f"== {layout}"]
+    for name, steps in phases.items():
+        steady = steps[vs.FIRST_STEADY - 1:]
+        # Micro-batches in order, then the optimizer phase and the rest (DeepSpeed's first step() call
+        # comes right after the first backward).
+        keys = sorted(steady[0], key=_order)
+        medians = {key: statistics.median(step.get(key, 0.0) for step in steady) for key in keys}
+        total = statistics.median(sum(step.values()) for step in steady)
+        lines.append(f"  {name:9s} total {total:6.1f}   " + "  ".join(f"{k} {v:.1f}" for k, v in medians.items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="steps per engine and layout (default 30)")
+    parser.add_argument("--only", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.layout, args.steps)
+        return
+    vs.require_deepspeed(parser)
+    layouts = [name.strip() for name in args.only.split(",") if name.strip()]
+    if unknown := [name for name in layouts if name not in LAYOUTS]:
+        parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+    if args.steps <= vs.FIRST_STEADY:
+        parser.error(f"--steps must be > {vs.FIRST_STEADY} (steps 1..{vs.FIRST_STEADY - 1} are warm-up)")
+    print(f"median ms per phase over steps {vs.FIRST_STEADY}..{args.steps}, rank 0 "
+          "(fwdN: forward of micro-batch N; bwdN: its loss and backward; step: optimizer phase; rest: the others)")
+    for layout in layouts:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(vs.NPROC),
+               str(Path(__file__).resolve()), "--worker", "--layout", layout, "--steps", str(args.steps)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        marker = next((line for line in proc.stdout.splitlines() if line.startswith("@result ")), None)
+        if proc.returncode != 0 or marker is None:
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+            raise SystemExit(f"{layout}: the run failed (exit {proc.returncode}):\n{tail}")
+        print(table(layout, json.loads(marker.removeprefix("@result "))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
