@@ -143,16 +143,21 @@ def summarize(layout: str, launches: list[Launch], label: str = "") -> str:
             f"{statistics.median(medians):6.3f} [{low:.3f}–{high:.3f}]   {steps:5d}   {dloss:.1e}")
 
 
-def run_layout(layout: str, steps: int) -> Launch:
+def launch_worker(script: str, layout: str, steps: int) -> Any:
+    """Run `script --worker` on 2 rank processes under torchrun; returns what rank 0 printed after "@result "."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(vs.NPROC),
-           str(Path(__file__).resolve()), "--worker", "--layout", layout, "--steps", str(steps)]
+           str(Path(script).resolve()), "--worker", "--layout", layout, "--steps", str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     marker = next((line for line in proc.stdout.splitlines() if line.startswith("@result ")), None)
     if proc.returncode != 0 or marker is None:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-        raise SystemExit(f"{layout}: the interleaved run failed (exit {proc.returncode}):\n{tail}")
-    result = json.loads(marker.removeprefix("@result "))
+        raise SystemExit(f"{layout}: the run of {Path(script).name} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(marker.removeprefix("@result "))
+
+
+def run_layout(layout: str, steps: int) -> Launch:
+    result = launch_worker(__file__, layout, steps)
     return launch_from(result["times"], result["losses"])
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -159,15 +157,7 @@ def main() -> None:
     print(f"median ms per phase over steps {vs.FIRST_STEADY}..{args.steps}, rank 0 "
           "(fwdN: forward of micro-batch N; bwdN: its loss and backward; step: optimizer phase; rest: the others)")
     for layout in layouts:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(vs.NPROC),
-               str(Path(__file__).resolve()), "--worker", "--layout", layout, "--steps", str(args.steps)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        marker = next((line for line in proc.stdout.splitlines() if line.startswith("@result ")), None)
-        if proc.returncode != 0 or marker is None:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-            raise SystemExit(f"{layout}: the run failed (exit {proc.returncode}):\n{tail}")
-        print(table(layout, json.loads(marker.removeprefix("@result "))), flush=True)
+        print(table(layout, vi.launch_worker(__file__, layout, args.steps)), flush=True)
 
 
 if __name__ == "__main__":
