@@ -5,9 +5,9 @@
 Built and alternated as in vs_deepspeed_interleaved.py (same model, data, optimizer and layout, a barrier
 before every step). For each micro-batch it times the forward (the model's call, from its forward pre-hook
 to its forward hook, the engine's hooks included) and what follows it up to the next phase (loss, backward and
-the engine's bookkeeping after it); then the optimizer
-phase (meshfit: guard, clipping, AdamW, zeroing; DeepSpeed: its `engine.step()` calls, including the
-collectives it runs at the accumulation boundary) and the rest of the step (data, loss mean, metrics).
+the engine's bookkeeping after it); then the optimizer phase (meshfit: guard, clipping, AdamW, zeroing;
+DeepSpeed: its `engine.step()` calls, including the collectives it runs at the accumulation boundary) and
+the rest of the step (data, loss mean, metrics).
 Per layout and engine it prints the median of each phase over the steady steps, in ms. The pipeline layout
 has no per-micro-batch phases to split this way and is left out.
 """
@@ -70,7 +70,7 @@ def worker(layout: str, steps: int) -> None:
     torch.set_num_threads(1)
     keep_freed_blocks()
     deepspeed.init_distributed(dist_backend="gloo")
-    run, guard = vi._build_meshfit(layout, steps)
+    run, guard = vi.build_meshfit(layout, steps)
     model_cfg = run.cfg.model.resolve()
     engine = vs._build_engine(layout, run.cfg, model_cfg, dist.get_world_size())
     batches = TokenBatches(make_source("synthetic", path=None, vocab_size=model_cfg.vocab_size, seed=vs.SEED),
@@ -149,9 +149,10 @@ def main() -> None:
         worker(args.layout, args.steps)
         return
     vs.require_deepspeed(parser)
-    layouts = [name.strip() for name in args.only.split(",") if name.strip()]
+    layouts = list(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
     if unknown := [name for name in layouts if name not in LAYOUTS]:
-        parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+        why = "pp has no per-micro-batch phases to split" if "pp" in unknown else "unknown layout(s)"
+        parser.error(f"--only: {why} ({', '.join(unknown)}); choose from {', '.join(LAYOUTS)}")
     if args.steps <= vs.FIRST_STEADY:
         parser.error(f"--steps must be > {vs.FIRST_STEADY} (steps 1..{vs.FIRST_STEADY - 1} are warm-up)")
     print(f"median ms per phase over steps {vs.FIRST_STEADY}..{args.steps}, rank 0 "
