@@ -51,10 +51,25 @@ class Clock:
         return out
 
 
-def _time_forward(model: Any, clock: Clock) -> None:
-    # Before FSDP2's own pre-forward (its root all-gather belongs to the forward) and after its post-forward.
-    model.register_forward_pre_hook(lambda *_: clock.mark("fwd"), prepend=True)
-    model.register_forward_hook(lambda *_: clock.mark("bwd"))  # loss and backward follow the forward
+class ForwardTimer:
+    """Marks the start and end of a model's forward on a Clock, outside the engine's own forward hooks.
+
+    Its pre-hook must run before FSDP2's pre-forward (the root's all-gather belongs to the forward) and its
+    hook after FSDP2's post-forward. Others reorder a module's hooks (torch's FSDP memory tracker, which
+    meshfit runs in its first steps, puts FSDP2's hooks back in front when it exits), so `arm()` registers
+    both again before every step.
+    """
+
+    def __init__(self, model: Any, clock: Clock) -> None:
+        self.model, self.clock, self.handles = model, clock, []
+
+    def arm(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = [
+            self.model.register_forward_pre_hook(lambda *_: self.clock.mark("fwd"), prepend=True),
+            self.model.register_forward_hook(lambda *_: self.clock.mark("bwd")),  # loss and backward follow
+        ]
 
 
 def worker(layout: str, steps: int) -> None:
@@ -77,8 +92,7 @@ def worker(layout: str, steps: int) -> None:
                            seq_len=vs.SEQ_LEN, global_batch=vs.GLOBAL_BATCH, dp_rank=dist.get_rank(),
                            dp_size=dist.get_world_size())
     clock = Clock()
-    _time_forward(run.model, clock)
-    _time_forward(engine.module, clock)
+    timers = {"meshfit": ForwardTimer(run.model, clock), "deepspeed": ForwardTimer(engine.module, clock)}
     optimizer_step = trainer._optimizer_step
 
     def timed_optimizer_step(*args: Any, **kwargs: Any) -> Any:
@@ -106,6 +120,7 @@ def worker(layout: str, steps: int) -> None:
     phases: dict[str, list[dict[str, float]]] = {"meshfit": [], "deepspeed": []}
     for step in range(steps):
         for name in ("meshfit", "deepspeed") if step % 2 == 0 else ("deepspeed", "meshfit"):
+            timers[name].arm()
             dist.barrier()
             clock.marks.clear()
             clock.mark("rest")
