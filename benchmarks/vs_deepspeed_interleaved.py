@@ -164,6 +164,20 @@ def run_layout(layout: str, steps: int) -> Launch:
     return launch_from(result["times"], result["losses"])
 
 
+def checked_layouts(parser: argparse.ArgumentParser, only: str, steps: int, allowed: list[str],
+                    refused: dict[str, str] | None = None) -> list[str]:
+    """The layouts named by --only (each once, in order), or a usage error; checks --steps too.
+    `refused`: layouts this script cannot run, with the reason."""
+    layouts = list(dict.fromkeys(name.strip() for name in only.split(",") if name.strip()))
+    for name in layouts:
+        if name not in allowed:
+            why = (refused or {}).get(name, "unknown layout")
+            parser.error(f"--only: {name}: {why}; choose from {', '.join(allowed)}")
+    if steps <= vs.FIRST_STEADY:
+        parser.error(f"--steps must be > {vs.FIRST_STEADY} (steps 1..{vs.FIRST_STEADY - 1} are warm-up)")
+    return layouts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="steps per engine and layout (default 40)")
@@ -177,11 +191,7 @@ def main() -> None:
         worker(args.layout, args.steps)
         return
     vs.require_deepspeed(parser)
-    layouts = list(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
-    if unknown := [name for name in layouts if name not in vs.LAYOUTS]:
-        parser.error(f"--only: unknown layout(s) {', '.join(unknown)}; choose from {', '.join(vs.LAYOUTS)}")
-    if args.steps <= vs.FIRST_STEADY:
-        parser.error(f"--steps must be > {vs.FIRST_STEADY} (steps 1..{vs.FIRST_STEADY - 1} are warm-up)")
+    layouts = checked_layouts(parser, args.only, args.steps, list(vs.LAYOUTS))
     if args.launches < 1:
         parser.error("--launches must be ≥ 1")
     print(f"meshfit / DeepSpeed step by step in the same processes: model {vs.PRESET}, {vs.NPROC} gloo ranks × 1 "

@@ -164,12 +164,8 @@ def main() -> None:
         worker(args.layout, args.steps)
         return
     vs.require_deepspeed(parser)
-    layouts = list(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
-    if unknown := [name for name in layouts if name not in LAYOUTS]:
-        why = "pp has no per-micro-batch phases to split" if "pp" in unknown else "unknown layout(s)"
-        parser.error(f"--only: {why} ({', '.join(unknown)}); choose from {', '.join(LAYOUTS)}")
-    if args.steps <= vs.FIRST_STEADY:
-        parser.error(f"--steps must be > {vs.FIRST_STEADY} (steps 1..{vs.FIRST_STEADY - 1} are warm-up)")
+    layouts = vi.checked_layouts(parser, args.only, args.steps, LAYOUTS,
+                                 {"pp": "the pipeline has no per-micro-batch phases to split"})
     print(f"median ms per phase over steps {vs.FIRST_STEADY}..{args.steps}, rank 0 "
           "(fwdN: forward of micro-batch N; bwdN: its loss and backward; step: optimizer phase; rest: the others)")
     for layout in layouts:
