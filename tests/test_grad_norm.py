@@ -19,12 +19,17 @@ def _params(*grads: torch.Tensor) -> list[nn.Parameter]:
     return params
 
 
+def _clip(squares, max_norm: float) -> torch.Tensor:
+    """One rank alone: its weighted squares are the vote's sum."""
+    return clip_grad_norm(squares, max_norm, squares.weighted())
+
+
 def test_the_norm_matches_fp64_over_rows_and_tails() -> None:
     torch.manual_seed(0)
     # Several rows plus a tail, a tensor shorter than one row, and a 2-D weight.
     grads = [torch.randn(3 * _CHUNK + 123), torch.randn(77), torch.randn(300, 1000)]
     exact = sum(float(g.double().square().sum()) for g in grads) ** 0.5
-    total = clip_grad_norm(grad_squares(_params(*grads)), max_norm=0.0)
+    total = _clip(grad_squares(_params(*grads)), max_norm=0.0)
     assert abs(float(total) - exact) / exact < 1e-6
 
 
@@ -33,7 +38,7 @@ def test_a_long_tensor_stays_accurate_where_one_fp32_norm_drifts() -> None:
     grad = torch.rand(40 * 2**20) * 1e-3  # positive values: every rounding error has the same sign
     exact = float(grad.double().square().sum().sqrt())
     single = float(torch.linalg.vector_norm(grad))
-    ours = float(clip_grad_norm(grad_squares(_params(grad)), max_norm=0.0))
+    ours = float(_clip(grad_squares(_params(grad)), max_norm=0.0))
     assert abs(ours - exact) / exact < 1e-6
     assert abs(single - exact) / exact > 10 * abs(ours - exact) / exact
 
@@ -42,17 +47,26 @@ def test_16_bit_gradients_accumulate_in_fp32() -> None:
     torch.manual_seed(0)
     grad = torch.randn(5 * _CHUNK).bfloat16()
     exact = float(grad.double().square().sum().sqrt())
-    assert abs(float(clip_grad_norm(grad_squares(_params(grad)), max_norm=0.0)) - exact) / exact < 1e-5
+    assert abs(float(_clip(grad_squares(_params(grad)), max_norm=0.0)) - exact) / exact < 1e-5
 
 
 def test_clipping_scales_every_gradient_by_one_coefficient() -> None:
     a, b = torch.full((10,), 3.0), torch.full((2 * _CHUNK,), 4.0)
     params = _params(a.clone(), b.clone())
     norm = float((a.square().sum() + b.square().sum()).sqrt())
-    total = clip_grad_norm(grad_squares(params), max_norm=1.0)
+    total = _clip(grad_squares(params), max_norm=1.0)
     assert abs(float(total) - norm) / norm < 1e-6
     for p, before in zip(params, (a, b), strict=True):
         torch.testing.assert_close(p.grad, before / norm, rtol=1e-5, atol=0)
+
+
+def test_each_group_counts_once_over_the_ranks_that_hold_it() -> None:
+    # A plain gradient is held whole by every rank of its pipeline stage: summed over those 4 ranks, each
+    # one's share adds up to the gradient's own sum of squares.
+    grad = torch.randn(3 * _CHUNK + 5)
+    squares = grad_squares(_params(grad), stage_ranks=4)
+    assert squares.local[0][1] == 4
+    torch.testing.assert_close(4 * squares.weighted(), grad.double().square().sum(), rtol=1e-6, atol=0)
 
 
 def test_a_nan_or_inf_anywhere_is_not_finite_and_finite_gradients_are() -> None:

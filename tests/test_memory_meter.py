@@ -24,6 +24,12 @@ class _StubTracker:
         return {"peak": 50}
 
 
+def _vote(meter: MemoryMeter) -> list[tuple[int, bool]] | None:
+    """What the step's vote gathers from the only rank (train/vote.py), taken before its record."""
+    ballot = meter.ballot()
+    return None if ballot is None else [ballot]
+
+
 @pytest.fixture
 def world_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -41,7 +47,7 @@ def test_auto_tracks_the_first_steps_then_carries_and_retracks_on_growth(world_o
         if step == 3:
             counter["value"] *= 2  # memory grows after tracking stopped
         tracked = meter.tracking()
-        records, retracked = meter.records(1, {})
+        records, retracked = meter.records(1, {}, _vote(meter))
         seen.append((tracked, records[0]["measured"], retracked, records[0]["peak"]))
     assert seen == [
         (True, "tracker", False, 100), (True, "tracker", False, 200),  # the tracked steps
@@ -65,13 +71,13 @@ def test_auto_returns_the_free_heap_after_tracked_steps_only(world_of_one, monke
         if step == 3:
             counter["value"] *= 2
         tracked = meter.tracking()
-        meter.records(1, {})
+        meter.records(1, {}, _vote(meter))
         kinds.append((tracked, len(trims)))
     # two tracked steps, two carried, the re-tracked one, one carried: a trim after each tracked step
     assert kinds == [(True, 1), (True, 2), (False, 2), (False, 2), (True, 3), (False, 3)]
     full = MemoryMeter(_StubTracker(), cpu, "full", tracked_steps=2, budget=None)
     for _ in range(3):  # every step is tracked: trimming each would cost page faults every step
-        full.records(1, {})
+        full.records(1, {}, _vote(full))
     assert len(trims) == 3
 
 
@@ -81,7 +87,7 @@ def test_full_tracks_every_step_and_a_cpu_budget_forces_it(world_of_one, monkeyp
     for meter in (MemoryMeter(_StubTracker(), cpu, "full", 1, None), MemoryMeter(_StubTracker(), cpu, "auto", 1, 10**9)):
         for _ in range(3):
             assert meter.tracking()
-            assert meter.records(1, {})[0][0]["measured"] == "tracker"
+            assert meter.records(1, {}, _vote(meter))[0][0]["measured"] == "tracker"
 
 
 def test_off_never_tracks_and_reports_the_counter(world_of_one, monkeypatch):
@@ -92,7 +98,7 @@ def test_off_never_tracks_and_reports_the_counter(world_of_one, monkeypatch):
     for step in range(3):
         counter["value"] *= 2  # growth does not turn the tracker on either
         assert not meter.tracking()
-        records, retracked = meter.records(1, {})
+        records, retracked = meter.records(1, {}, _vote(meter))
         assert records == [{"peak": counter["value"], "measured": "counter", "rss_peak": counter["value"]}]
         assert not retracked
     assert tracker.peaks == 0

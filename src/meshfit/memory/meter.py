@@ -14,9 +14,12 @@ After each step ``auto`` tracks (not in ``full`` mode, a CPU budget's included),
 back to the OS (``host_heap.return_free_heap``).
 
 Growth after tracking stops is still caught: every carried step reads each rank's own counter — the CUDA
-allocator's peak of that step, or on CPU the process's peak resident memory — and when any rank's counter
-exceeds what the tracked steps reached by more than ``GROWTH`` (and ``GROWTH_MIN_BYTES``), the next step is
-tracked again (its record says ``"retracked": true``) and its breakdown replaces the carried one.
+allocator's peak since the last reading, or on CPU the process's peak resident memory — and when any rank's
+counter exceeds what the tracked steps reached by more than ``GROWTH`` (and ``GROWTH_MIN_BYTES``), the next
+step is tracked again (its record says ``"retracked": true``) and its breakdown replaces the carried one.
+The counters travel in the step's vote (train/vote.py), the one small collective of a step, which is taken
+before the optimizer steps: a carried step's counter covers the previous step's optimizer step and its own
+forward and backward (on CPU the process's peak so far, which covers everything before).
 """
 
 from __future__ import annotations
@@ -68,14 +71,27 @@ class MemoryMeter:
             return False
         return self.steps < self.tracked_steps or self._retrack or self._carried is None
 
-    def records(self, world_size: int, extra: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
-        """Every rank's memory record of the step just run (a collective), and whether it was re-tracked."""
+    def ballot(self) -> tuple[int, bool] | None:
+        """This rank's counter and whether it grew past the tracked steps', for the step's vote; None when
+        the step is tracked (its record gathers the breakdown instead)."""
+        if self.tracking():
+            return None
+        counter = _counter(self.device)
+        grew = (self._carried is not None and counter > self._baseline * (1 + GROWTH)
+                and counter - self._baseline > GROWTH_MIN_BYTES)
+        return counter, grew
+
+    def records(self, world_size: int, extra: dict[str, Any],
+                counters: list[tuple[int, bool]] | None) -> tuple[list[dict[str, Any]], bool]:
+        """Every rank's memory record of the step just run, and whether it was re-tracked. Tracked steps
+        gather the breakdowns (a collective); the others take every rank's `ballot()` from the vote."""
         tracked, retracked = self.tracking(), self._retrack
         self.steps += 1
         self._retrack = False
-        counter = _counter(self.device)
         if not tracked:
-            return self._carry(counter, world_size), False
+            assert counters is not None and len(counters) == world_size
+            return self._carry(counters), False
+        counter = _counter(self.device)
         if self.mode == "auto":
             return_free_heap()
         mem = self.tracker.peak()
@@ -88,18 +104,10 @@ class MemoryMeter:
         self._baseline = max(self._baseline, counter)
         return per_rank, retracked
 
-    def _carry(self, counter: int, world_size: int) -> list[dict[str, Any]]:
-        # One small tensor collective instead of pickled breakdowns: each rank's counter and whether it grew.
-        grew = (self._carried is not None and counter > self._baseline * (1 + GROWTH)
-                and counter - self._baseline > GROWTH_MIN_BYTES)
-        local = torch.tensor([counter, int(grew)], dtype=torch.int64,
-                             device=self.device if self.device.type == "cuda" else "cpu")
-        gathered = [torch.empty_like(local) for _ in range(world_size)]
-        dist.all_gather(gathered, local)
-        values = [(int(g[0]), bool(g[1])) for g in gathered]
-        self._retrack = any(grew for _, grew in values)
+    def _carry(self, counters: list[tuple[int, bool]]) -> list[dict[str, Any]]:
+        self._retrack = any(grew for _, grew in counters)
         key = _counter_key(self.device)
         if self._carried is None:  # `off`: no breakdown was ever measured; the counter is the peak
-            return [{"peak": value, "measured": "counter", key: value} for value, _ in values]
-        return [dict(mem, measured="carried", **{key: value}) for mem, (value, _) in zip(self._carried, values,
+            return [{"peak": value, "measured": "counter", key: value} for value, _ in counters]
+        return [dict(mem, measured="carried", **{key: value}) for mem, (value, _) in zip(self._carried, counters,
                                                                                        strict=True)]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 # Sums of squares: fp32 norms of rows of _CHUNK values (one kernel per tensor), squared and summed in fp64.
@@ -38,32 +38,46 @@ class GradSquares:
     """This rank's gradients grouped by layout, with each group's sum of squares over what this rank holds.
 
     Computed once per step, before anything is reduced across ranks: the step guard reads whether they are
-    finite (so a NaN is reported on the rank where it began) and clipping sums them into the global norm.
+    finite (so a NaN is reported on the rank where it began), and `weighted()` is this rank's part of the
+    global norm, summed over every rank by the step's vote (train/vote.py).
     """
 
     groups: dict[Any, list[torch.Tensor]]  # None: plain tensors; else (mesh, placements) of DTensors
-    local: list[tuple[torch.Tensor, list[Any]]]  # (Σ g² held here, process groups to sum it over)
+    local: list[tuple[torch.Tensor, int]]  # (Σ g² held here, how many ranks hold these same values)
     device: torch.device
 
     def finite(self) -> bool:
         return bool(torch.isfinite(torch.stack([square for square, _ in self.local])).all()) if self.local else True
 
+    def weighted(self) -> torch.Tensor:
+        """Σ over groups of Σ g² / holders: summed over all ranks, every gradient value counts once."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for square, holders in self.local:
+            total += square / holders  # fp64: a replica's share is exact for power-of-two degrees
+        return total
 
-def grad_squares(params: list[torch.Tensor]) -> GradSquares:
-    """Group the gradients of `params` and take each group's local sum of squares."""
+
+def grad_squares(params: list[torch.Tensor], stage_ranks: int = 1) -> GradSquares:
+    """Group the gradients of `params` and take each group's local sum of squares.
+
+    `stage_ranks`: the ranks that hold this rank's layers (world size / pipeline degree); every one holds
+    all of them, sharded or replicated. A plain gradient is held whole by all of them; a DTensor's by
+    those that differ from this rank only along the mesh dimensions it is replicated on.
+    """
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p.grad)
     device = next((g.device for gs in groups.values() for g in gs), torch.device("cpu"))
-    local = [_local_square(grads, key, device) for key, grads in groups.items()]
+    local = [_local_square(grads, key, device, stage_ranks) for key, grads in groups.items()]
     return GradSquares(groups=groups, local=local, device=device)
 
 
-def _local_square(grads: list[torch.Tensor], key: Any, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
+def _local_square(grads: list[torch.Tensor], key: Any, device: torch.device,
+                  stage_ranks: int) -> tuple[torch.Tensor, int]:
     if key is None:
-        return _square_sum(grads, device), []
+        return _square_sum(grads, device), stage_ranks
     mesh, placements = key
     if any(isinstance(p, Partial) for p in placements):
         # Unreduced partial sums must be added up before they are squared (a collective: a NaN in one rank's
@@ -72,26 +86,20 @@ def _local_square(grads: list[torch.Tensor], key: Any, device: torch.device) -> 
         grads = [g.redistribute(mesh, whole) for g in grads]
         placements = grads[0].placements
     # Each rank of a sharded mesh dimension holds another part (FSDP × TP's strided shards included).
-    over = [mesh.get_group(dim) for dim, placement in enumerate(placements) if not isinstance(placement, Replicate)]
-    return _square_sum([g.to_local() for g in grads], device), over
+    parts = math.prod(mesh.size(dim) for dim, placement in enumerate(placements)
+                      if not isinstance(placement, Replicate))
+    assert stage_ranks % parts == 0, (stage_ranks, placements)  # every rank of the stage holds a part
+    return _square_sum([g.to_local() for g in grads], device), stage_ranks // parts
 
 
-def clip_grad_norm(squares: GradSquares, max_norm: float, pp_group: Any = None) -> torch.Tensor:
-    """Global L2 norm of all gradients (sharded ones included), clipped to max_norm when max_norm > 0.
+def clip_grad_norm(squares: GradSquares, max_norm: float, total_square: torch.Tensor) -> torch.Tensor:
+    """Global L2 norm of all gradients (sharded ones included) from `total_square`, the sum over every rank
+    of `squares.weighted()`; clips the gradients to max_norm when max_norm > 0.
 
     Gradients may be plain tensors and DTensors on different meshes (e.g. tensor-parallel weights next to
-    replicated norms): each group's sum of squares is reduced over the ranks that shard it. With pipeline
-    parallelism each rank holds other layers: the squares are summed across the pipeline too.
+    replicated norms); with pipeline parallelism each rank holds other layers: the vote sums them all.
     """
-    square = torch.zeros((), dtype=torch.float64, device=squares.device)
-    for local, over in squares.local:
-        local = local.clone()
-        for group in over:
-            dist.all_reduce(local, group=group)
-        square += local
-    if pp_group is not None:
-        dist.all_reduce(square, group=pp_group)
-    total = square.sqrt().float()
+    total = total_square.sqrt().float()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in squares.groups.values():

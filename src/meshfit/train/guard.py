@@ -1,4 +1,4 @@
-"""What every rank agrees on before the optimizer steps: one small all-reduce per step.
+"""What every rank agrees on before the optimizer steps, through the step's vote (vote.py).
 
 It carries, for each rank, whether its loss or gradient norm is NaN/Inf, whether a stop (SIGTERM) was
 requested anywhere, and whether an asynchronous checkpoint save is still being written. All ranks then take
@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
 from meshfit.train.grad_norm import GradSquares
+from meshfit.train.vote import Tally
 
 
 class NonFiniteError(RuntimeError):
@@ -43,23 +42,20 @@ class StepGuard:
         values = [loss.detach().float().reshape(()) for loss in losses]
         return bool(torch.isfinite(torch.stack(values)).all()) and squares.finite()
 
-    def allow_step(self, local_ok: bool, grad_norm: torch.Tensor) -> bool:
-        """Agree with every rank; returns whether the optimizer may step (raises NonFiniteError on stop).
+    def ballot(self) -> dict[str, bool]:
+        """This rank's stop request and unfinished background save, for the step's vote."""
+        return {"stop": bool(self.stop.requested) if self.stop is not None else False,
+                "saving": bool(self.checkpointer.unfinished()) if self.checkpointer is not None else False}
 
-        `local_ok`: see locally_finite. A non-finite global norm from finite shards (an overflow) stops
-        every rank too."""
-        world = dist.get_world_size()
-        flags = torch.zeros(world + 2)
-        flags[dist.get_rank()] = float(not local_ok)
-        flags[world] = float(self.stop.requested if self.stop is not None else 0)
-        flags[world + 1] = float(self.checkpointer.unfinished() if self.checkpointer is not None else 0)
-        flags = flags.to(self.run.env.device)  # NCCL reduces device tensors only
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        flags = flags.cpu()
-        self.stop_requested = bool(flags[world])
-        if self.checkpointer is not None and self.checkpointer.pending is not None and not flags[world + 1]:
+    def allow_step(self, tally: Tally, grad_norm: torch.Tensor) -> bool:
+        """Apply the vote; returns whether the optimizer may step (raises NonFiniteError on stop).
+
+        A rank whose loss or own gradients were not finite (see locally_finite) stops or skips every rank; so
+        does a non-finite global norm from finite shards (an overflow)."""
+        self.stop_requested = tally.stop
+        if self.checkpointer is not None and self.checkpointer.pending is not None and not tally.saving:
             self.checkpointer.finalize_pending()  # every rank's background save is done
-        bad = [r for r in range(world) if flags[r]]
+        bad = tally.nonfinite_ranks
         overflow = not bad and not bool(torch.isfinite(grad_norm.detach()).all())
         self.skipped = bool(bad) or overflow
         if not self.skipped:

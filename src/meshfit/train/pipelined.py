@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -59,8 +58,8 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
 
 def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
                   use_loss_parallel: bool) -> torch.Tensor:
-    """Forward and backward of every micro-batch through the schedule; returns the mean loss on every
-    rank of the pipeline (only the last stage computes it)."""
+    """Forward and backward of every micro-batch through the schedule; returns the mean loss on the last
+    stage, which alone computes it, and zero on the others (the step's vote averages the holders' losses)."""
     losses: list[torch.Tensor] = []
     args = (inputs.to(device),) if pipe.first else ()
     kwargs = {"target": targets.to(device), "losses": losses} if pipe.last else {}
@@ -69,10 +68,7 @@ def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, devic
         kwargs["return_outputs"] = False
     with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
         pipe.schedule.step(*args, **kwargs)
-    if pipe.last:
-        parts = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
-        loss = torch.stack([p.detach() for p in parts]).mean()
-    else:
-        loss = torch.zeros((), device=device)
-    dist.all_reduce(loss, group=pipe.group)  # only the last stage contributes
-    return loss
+    if not pipe.last:
+        return torch.zeros((), device=device)
+    parts = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
+    return torch.stack([p.detach() for p in parts]).mean()

@@ -44,6 +44,7 @@ from meshfit.train.metrics import MetricsLog, mfu, peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
 from meshfit.train.pipelined import Pipe, build_pipeline, pipeline_step
 from meshfit.train.shape import RunShape, resolve_run
+from meshfit.train.vote import Ballot, Tally, Vote
 
 
 @dataclass
@@ -183,17 +184,21 @@ def _ddp(run: Run) -> bool:
     return _kind(run) == "ddp"
 
 
-def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool) -> torch.Tensor:
+def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool) -> tuple[
+        torch.Tensor, Vote]:
     run.tracker.phase = "optimizer step"
-    pp_group = run.pipe.group if run.pipe else None
     params = list(run.model.parameters())
-    squares = grad_squares(params)
+    squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
     local_ok = guard.locally_finite(losses, squares) if guard is not None else True
     if _ddp(run) and tracking:
         run.tracker.claim_gradients(params)
-    grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, pp_group)
-    if guard is not None and not guard.allow_step(local_ok, grad_norm):
-        return grad_norm  # skipped: gradients dropped, parameters, optimizer and schedule untouched
+    holds_loss = run.pipe is None or run.pipe.last
+    vote = Vote(Ballot(square=squares.weighted(), loss=torch.stack(losses).mean() if holds_loss else None,
+                       nonfinite=not local_ok, counter=None if tracking else run.meter.ballot(),
+                       **(guard.ballot() if guard is not None else {})), run.env.device)
+    grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, vote.square)
+    if guard is not None and not guard.allow_step(vote.tally, grad_norm):
+        return grad_norm, vote  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
     run.scheduler.step()
     # DDP's gradients are views into its buckets: zeroing them in place keeps them so (the next
@@ -205,15 +210,7 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     accumulating = run.shape.accum_steps > 1 or (run.pipe is not None and run.shape.microbatches > 1)
     run.optimizer.zero_grad(set_to_none=not _ddp(run) or (run.launch_steps == 0 and not accumulating))
     run.launch_steps += 1
-    return grad_norm
-
-
-def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
-    if run.shape.dims.dp == 1:  # pipeline and tensor-parallel ranks already share the loss
-        return float(value)
-    value = value.clone()
-    dist.all_reduce(value, group=run.meshes.dp.get_group())
-    return float(value) / run.shape.dims.dp
+    return grad_norm, vote
 
 
 def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
@@ -221,22 +218,22 @@ def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
-    losses, grad_norm = measured_step(run, inputs, targets, guard)
-    loss = _mean_over_dp(run, torch.stack(losses).mean())
+    _, grad_norm, vote = measured_step(run, inputs, targets, guard)
+    tally = vote.tally
     elapsed = time.perf_counter() - start
     run.step += 1
-    record = _record(run, loss, float(grad_norm), lr, elapsed)
+    record = _record(run, tally, float(grad_norm), lr, elapsed)
     if guard is not None and guard.skipped:
         record["skipped"] = True
     return record
 
 
 def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
-                  guard: StepGuard | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+                  guard: StepGuard | None = None) -> tuple[list[torch.Tensor], torch.Tensor, Vote]:
     """Forward, backward and optimizer step of one batch under the rank's tracker (one peak window).
 
-    Returns the micro-batch losses and the gradient norm as tensors (nothing is read back to the host).
-    `guard` (training, not dry runs) lets all ranks agree before the optimizer step; see guard.py.
+    Returns the micro-batch losses, the gradient norm and the step's vote (vote.py); the guard (training,
+    not dry runs) reads the vote before the optimizer step (guard.py); a dry run reads nothing back.
     """
     micro = run.shape.micro_batch
     tracking = run.meter is None or run.meter.tracking()
@@ -253,7 +250,7 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
                 ]
             if guard is not None:
                 losses = guard.after_backward(losses)
-            grad_norm = _optimizer_step(run, losses, guard, tracking)
+            grad_norm, vote = _optimizer_step(run, losses, guard, tracking)
             if tracking:
                 run.tracker.settle()
     except torch.OutOfMemoryError:
@@ -261,16 +258,16 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
         if run.cfg.train.memory_budget is None:
             raise
         raise run.tracker.over_budget_error() from None
-    return losses, grad_norm
+    return losses, grad_norm, vote
 
 
-def _record(run: Run, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:
+def _record(run: Run, tally: Tally, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:
     extra = {"stages": run.pipe.stage_ids} if run.pipe is not None else {}
-    per_rank, retracked = run.meter.records(run.env.world_size, extra)
+    per_rank, retracked = run.meter.records(run.env.world_size, extra, tally.counters)
     tokens = run.cfg.train.global_batch * run.cfg.train.seq_len
     tps = tokens / elapsed
     record = {
-        "step": run.step, "time": time.time(), "loss": loss, "grad_norm": grad_norm, "lr": lr,
+        "step": run.step, "time": time.time(), "loss": tally.loss, "grad_norm": grad_norm, "lr": lr,
         "tokens_per_s": tps, "step_time_s": elapsed,
         "mfu": mfu(tps, run.flops_per_token, run.env.world_size, run.peak_flops),
         "peak_mem_bytes": max(m["peak"] for m in per_rank), "mem": per_rank,
