@@ -5,9 +5,10 @@
 Built and alternated as in vs_deepspeed_interleaved.py (same model, data, optimizer and layout, a barrier
 before every step). For each micro-batch it times the forward (the model's call, from its forward pre-hook
 to its forward hook, the engine's hooks included) and what follows it up to the next phase (loss, backward and
-the engine's bookkeeping after it); then the optimizer phase (meshfit: guard, clipping, AdamW, zeroing;
-DeepSpeed: its `engine.step()` calls, including the collectives it runs at the accumulation boundary) and
-the rest of the step (data, loss mean, metrics).
+the engine's bookkeeping after it); then the optimizer phase (meshfit: the gradient norm, the step's one
+small collective, the guard, clipping, AdamW, zeroing; DeepSpeed: its `engine.step()` calls, including the
+collectives it runs at the accumulation boundary) and the rest of the step (data and the metrics record;
+DeepSpeed's loop: data and its loss mean).
 Per layout and engine it prints the median of each phase over the steady steps, in ms. The pipeline layout
 has no per-micro-batch phases to split this way and is left out.
 """

@@ -60,6 +60,19 @@ def test_clipping_scales_every_gradient_by_one_coefficient() -> None:
         torch.testing.assert_close(p.grad, before / norm, rtol=1e-5, atol=0)
 
 
+def test_reading_the_coefficient_gives_the_same_gradients_and_norm() -> None:
+    # Below max_norm the read-back path skips multiplying by 1; above it, it scales as the other path does.
+    torch.manual_seed(0)
+    for max_norm in (1e6, 0.5):
+        grads = [torch.randn(2 * _CHUNK + 7), torch.randn(5)]
+        plain, read = _params(*[g.clone() for g in grads]), _params(*[g.clone() for g in grads])
+        one, other = grad_squares(plain), grad_squares(read)
+        assert torch.equal(clip_grad_norm(one, max_norm, one.weighted()),
+                           clip_grad_norm(other, max_norm, other.weighted(), read=True))
+        for a, b, g in zip(plain, read, grads, strict=True):
+            assert torch.equal(a.grad, b.grad) and torch.equal(a.grad, g) == (max_norm > 1e3)
+
+
 def test_each_group_counts_once_over_the_ranks_that_hold_it() -> None:
     # A plain gradient is held whole by every rank of its pipeline stage: summed over those 4 ranks, each
     # one's share adds up to the gradient's own sum of squares.

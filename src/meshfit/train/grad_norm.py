@@ -92,16 +92,21 @@ def _local_square(grads: list[torch.Tensor], key: Any, device: torch.device,
     return _square_sum([g.to_local() for g in grads], device), stage_ranks // parts
 
 
-def clip_grad_norm(squares: GradSquares, max_norm: float, total_square: torch.Tensor) -> torch.Tensor:
+def clip_grad_norm(squares: GradSquares, max_norm: float, total_square: torch.Tensor,
+                   read: bool = False) -> torch.Tensor:
     """Global L2 norm of all gradients (sharded ones included) from `total_square`, the sum over every rank
     of `squares.weighted()`; clips the gradients to max_norm when max_norm > 0.
 
     Gradients may be plain tensors and DTensors on different meshes (e.g. tensor-parallel weights next to
     replicated norms); with pipeline parallelism each rank holds other layers: the vote sums them all.
+    `read`: the caller reads the vote back anyway (training, not dry runs), so the coefficient may be read
+    too, and a norm below max_norm skips the pass over every gradient that would multiply it by 1.
     """
     total = total_square.sqrt().float()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if read and float(coef) == 1.0:
+            return total
         for grads in squares.groups.values():
             # Scale the local shards in place: one coefficient for every gradient, sharded or not.
             torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)

@@ -196,7 +196,7 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     vote = Vote(Ballot(square=squares.weighted(), loss=torch.stack(losses).mean() if holds_loss else None,
                        nonfinite=not local_ok, counter=None if tracking else run.meter.ballot(),
                        **(guard.ballot() if guard is not None else {})), run.env.device)
-    grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, vote.square)
+    grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, vote.square, read=guard is not None)
     if guard is not None and not guard.allow_step(vote.tally, grad_norm):
         return grad_norm, vote  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
