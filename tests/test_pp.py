@@ -32,6 +32,7 @@ def test_every_schedule_matches_one_process(schedule):
                                                   f"pipeline.schedule={schedule}", "pipeline.microbatches=4"))
     _check_parity(ranks[0])
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss reaches every stage
+    assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"]  # one vote: every rank clips alike
     stages = [m["stages"] for m in ranks[0]["mem"]]  # every stage runs on exactly one rank
     assert sorted(s for ids in stages for s in ids) == list(range(len(stages[0]) * 2))
 

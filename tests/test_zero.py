@@ -45,6 +45,7 @@ def test_parity_two_ranks(mode):
     assert _max_delta(ranks[0]["losses"], ref["losses"]) <= 1e-5
     assert _max_delta(ranks[0]["grad_norms"], ref["grad_norms"]) <= 1e-5
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"]  # one vote: every rank clips alike
 
 
 def test_parity_hsdp_four_ranks():

@@ -17,9 +17,10 @@ Growth after tracking stops is still caught: every carried step reads each rank'
 allocator's peak since the last reading, or on CPU the process's peak resident memory — and when any rank's
 counter exceeds what the tracked steps reached by more than ``GROWTH`` (and ``GROWTH_MIN_BYTES``), the next
 step is tracked again (its record says ``"retracked": true``) and its breakdown replaces the carried one.
-The counters travel in the step's vote (train/vote.py), the one small collective of a step, which is taken
-before the optimizer steps: a carried step's counter covers the previous step's optimizer step and its own
-forward and backward (on CPU the process's peak so far, which covers everything before).
+Every step's counter is read when the step's vote is cast (train/vote.py: the one small collective of a
+step, before the optimizer steps), and carried steps take every rank's counter from it. So a step's CUDA
+counter covers the previous step's optimizer step and its own forward and backward (on CPU the process's
+peak so far covers everything before), and growth in an optimizer step is seen one step later.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ GROWTH_MIN_BYTES = 32 * 2**20
 
 
 def _counter(device: torch.device) -> int:
-    """This step's peak on the device (CUDA allocator), or the process's peak resident bytes (CPU)."""
+    """The CUDA allocator's peak since the previous reading, or the process's peak resident bytes (CPU)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -62,6 +63,7 @@ class MemoryMeter:
         self._retrack = False
         self._carried: list[dict[str, Any]] | None = None
         self._baseline = 0  # the highest counter of any tracked step, per this rank
+        self._reading: int | None = None  # this step's counter (reading())
 
     def tracking(self) -> bool:
         """Whether the coming step runs under the tracker."""
@@ -71,12 +73,10 @@ class MemoryMeter:
             return False
         return self.steps < self.tracked_steps or self._retrack or self._carried is None
 
-    def ballot(self) -> tuple[int, bool] | None:
-        """This rank's counter and whether it grew past the tracked steps', for the step's vote; None when
-        the step is tracked (its record gathers the breakdown instead)."""
-        if self.tracking():
-            return None
-        counter = _counter(self.device)
+    def reading(self) -> tuple[int, bool]:
+        """This rank's counter, read as the step's vote is cast, and whether it grew past what the tracked
+        steps reached (which only a carried step acts on)."""
+        counter = self._reading = _counter(self.device)
         grew = (self._carried is not None and counter > self._baseline * (1 + GROWTH)
                 and counter - self._baseline > GROWTH_MIN_BYTES)
         return counter, grew
@@ -84,14 +84,15 @@ class MemoryMeter:
     def records(self, world_size: int, extra: dict[str, Any],
                 counters: list[tuple[int, bool]] | None) -> tuple[list[dict[str, Any]], bool]:
         """Every rank's memory record of the step just run, and whether it was re-tracked. Tracked steps
-        gather the breakdowns (a collective); the others take every rank's `ballot()` from the vote."""
+        gather the breakdowns (a collective); the others take every rank's `reading()` from the vote."""
         tracked, retracked = self.tracking(), self._retrack
         self.steps += 1
         self._retrack = False
         if not tracked:
             assert counters is not None and len(counters) == world_size
             return self._carry(counters), False
-        counter = _counter(self.device)
+        counter = self._reading
+        assert counter is not None, "reading() comes first, as the step's vote is cast"
         if self.mode == "auto":
             return_free_heap()
         mem = self.tracker.peak()

@@ -104,9 +104,13 @@ def clip_grad_norm(squares: GradSquares, max_norm: float, total_square: torch.Te
     """
     total = total_square.sqrt().float()
     if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if read and float(coef) == 1.0:
-            return total
+        coef: torch.Tensor | float = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if read:
+            coef = float(coef)  # the same fp32 value, usable on any device
+            if coef == 1.0:
+                return total
+        else:
+            coef = coef.to(squares.device)  # offloaded gradients live on the host
         for grads in squares.groups.values():
             # Scale the local shards in place: one coefficient for every gradient, sharded or not.
             torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)

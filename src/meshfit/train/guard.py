@@ -1,6 +1,6 @@
 """What every rank agrees on before the optimizer steps, through the step's vote (vote.py).
 
-It carries, for each rank, whether its loss or gradient norm is NaN/Inf, whether a stop (SIGTERM) was
+It carries, for each rank, whether its loss or gradients hold a NaN/Inf, whether a stop (SIGTERM) was
 requested anywhere, and whether an asynchronous checkpoint save is still being written. All ranks then take
 the same decision at the same step: step, skip the step (`train.on_nonfinite=skip`) or stop before the
 optimizer touches the parameters (`stop`), and end cleanly after this step when a stop was requested.
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from meshfit.train.grad_norm import GradSquares
 from meshfit.train.vote import Tally
 
@@ -42,10 +43,10 @@ class StepGuard:
         values = [loss.detach().float().reshape(()) for loss in losses]
         return bool(torch.isfinite(torch.stack(values)).all()) and squares.finite()
 
-    def ballot(self) -> dict[str, bool]:
-        """This rank's stop request and unfinished background save, for the step's vote."""
-        return {"stop": bool(self.stop.requested) if self.stop is not None else False,
-                "saving": bool(self.checkpointer.unfinished()) if self.checkpointer is not None else False}
+    def requests(self) -> tuple[bool, bool]:
+        """(a stop was requested on this rank, its background checkpoint save is unfinished), for the vote."""
+        return (bool(self.stop.requested) if self.stop is not None else False,
+                bool(self.checkpointer.unfinished()) if self.checkpointer is not None else False)
 
     def allow_step(self, tally: Tally, grad_norm: torch.Tensor) -> bool:
         """Apply the vote; returns whether the optimizer may step (raises NonFiniteError on stop).

@@ -29,7 +29,6 @@ class Pipe:
     stage_ids: list[int]
     first: bool  # this rank runs stage 0 (it feeds the inputs)
     last: bool  # this rank runs the last stage (it computes the loss)
-    group: Any  # the pipeline process group
 
 
 def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig, device: torch.device,
@@ -53,7 +52,7 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
     # The mean loss of one micro-batch (the schedule scales gradients by 1/micro-batches).
     loss_fn = functools.partial(lm_loss, vocab_size=model_cfg.vocab_size)
     schedule = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, loss_fn)
-    return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids, group)
+    return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids)
 
 
 def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,

@@ -184,8 +184,8 @@ def _ddp(run: Run) -> bool:
     return _kind(run) == "ddp"
 
 
-def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool) -> tuple[
-        torch.Tensor, Vote]:
+def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool,
+                    read: bool) -> tuple[torch.Tensor, Vote]:
     run.tracker.phase = "optimizer step"
     params = list(run.model.parameters())
     squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
@@ -193,10 +193,11 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     if _ddp(run) and tracking:
         run.tracker.claim_gradients(params)
     holds_loss = run.pipe is None or run.pipe.last
+    stop, saving = guard.requests() if guard is not None else (False, False)
     vote = Vote(Ballot(square=squares.weighted(), loss=torch.stack(losses).mean() if holds_loss else None,
-                       nonfinite=not local_ok, counter=None if tracking else run.meter.ballot(),
-                       **(guard.ballot() if guard is not None else {})), run.env.device)
-    grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, vote.square, read=guard is not None)
+                       nonfinite=not local_ok, stop=stop, saving=saving,
+                       counter=run.meter.reading() if run.meter is not None and read else None), run.env.device)
+    grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, vote.square, read=read)
     if guard is not None and not guard.allow_step(vote.tally, grad_norm):
         return grad_norm, vote  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
@@ -218,7 +219,7 @@ def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
-    _, grad_norm, vote = measured_step(run, inputs, targets, guard)
+    _, grad_norm, vote = measured_step(run, inputs, targets, guard, read=True)
     tally = vote.tally
     elapsed = time.perf_counter() - start
     run.step += 1
@@ -229,11 +230,12 @@ def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
 
 
 def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
-                  guard: StepGuard | None = None) -> tuple[list[torch.Tensor], torch.Tensor, Vote]:
+                  guard: StepGuard | None = None, read: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, Vote]:
     """Forward, backward and optimizer step of one batch under the rank's tracker (one peak window).
 
-    Returns the micro-batch losses, the gradient norm and the step's vote (vote.py); the guard (training,
-    not dry runs) reads the vote before the optimizer step (guard.py); a dry run reads nothing back.
+    Returns the micro-batch losses, the gradient norm and the step's vote (vote.py). `read`: the step's
+    values may be read back to the host (training; a dry run's are fake), as the guard (training, not dry
+    runs) does with the vote before the optimizer step (guard.py).
     """
     micro = run.shape.micro_batch
     tracking = run.meter is None or run.meter.tracking()
@@ -250,7 +252,7 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
                 ]
             if guard is not None:
                 losses = guard.after_backward(losses)
-            grad_norm, vote = _optimizer_step(run, losses, guard, tracking)
+            grad_norm, vote = _optimizer_step(run, losses, guard, tracking, read or guard is not None)
             if tracking:
                 run.tracker.settle()
     except torch.OutOfMemoryError:

@@ -6,15 +6,18 @@ Each rank casts a `Ballot`; one all-reduce (a sum over the world, in fp64) makes
 * the global gradient norm: each rank adds its sums of squares, each divided by the number of ranks that
   hold the same gradient values (grad_norm.py), so that the world's sum counts every value once;
 * per rank, in its own slot: whether its loss or gradients are non-finite (the step guard names the rank
-  where a NaN began), and on steps the memory tracker does not measure, its memory counter and whether it
-  grew (memory/meter.py);
+  where a NaN began), and its memory counter and whether it grew, which steps the memory tracker does not
+  measure report (memory/meter.py);
 * from any rank: a stop request (SIGTERM) and an unfinished background checkpoint save;
 * the step's loss: the ranks that compute one add it and count themselves, so the mean is over data-parallel
   replicas whatever the layout (tensor-parallel ranks share a loss; only the last pipeline stage has one).
 
 One collective instead of one per consumer: on CPU ranks each small collective costs ~0.5 ms of a step, and
 on accelerators each one is a host synchronization. Integers up to 2^53 (memory counters in bytes) are exact
-in fp64; a sum of fp32 losses is exact there too.
+in fp64, and a sum of a few fp32 losses of similar size is too.
+
+Tensor-parallel gradients that arrive as partial sums are still added up by their own collective before
+they are squared (grad_norm.py); meshfit's layouts reduce them in the backward.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_STOP, _SAVING, _LOSS, _HOLDERS, _SQUARE = range(5)  # the shared slots, before the per-rank ones
-_SHARED = 5
+# The shared slots; the per-rank ones follow them.
+_STOP, _SAVING, _LOSS, _LOSS_RANKS, _SQUARE, _SHARED = range(6)
 
 
 @dataclass
@@ -38,7 +41,7 @@ class Ballot:
     nonfinite: bool = False  # this rank's loss or gradients hold a NaN or Inf
     stop: bool = False
     saving: bool = False  # a background checkpoint save of this rank is still being written
-    counter: tuple[int, bool] | None = None  # (memory counter in bytes, whether it grew): untracked steps
+    counter: tuple[int, bool] | None = None  # (memory counter in bytes, whether it grew); None in dry runs
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Tally:
     stop: bool
     saving: bool
     loss: float  # mean over the ranks that computed one (NaN when none did, as in a dry run)
-    counters: list[tuple[int, bool]] | None  # per rank; None on tracked steps
+    counters: list[tuple[int, bool]] | None  # per rank; None in dry runs
 
 
 class Vote:
@@ -67,10 +70,10 @@ class Vote:
             values[_SHARED + self.world + rank] = float(ballot.counter[0])
             values[_SHARED + 2 * self.world + rank] = float(ballot.counter[1])
         values = values.to(device)  # NCCL reduces device tensors only
-        values[_SQUARE] = ballot.square.to(torch.float64)
+        values[_SQUARE] = ballot.square.to(device, torch.float64)  # offloaded gradients: a host scalar
         if ballot.loss is not None:
             values[_LOSS] = ballot.loss.detach().to(torch.float64).reshape(())
-            values[_HOLDERS] = 1.0
+            values[_LOSS_RANKS] = 1.0
         dist.all_reduce(values)
         self.values = values
 
@@ -88,7 +91,7 @@ class Vote:
         if self.counted:
             counters = [(int(c), bool(g)) for c, g in zip(host[_SHARED + world:_SHARED + 2 * world],
                                                          host[_SHARED + 2 * world:], strict=True)]
-        holders = host[_HOLDERS]
+        loss_ranks = host[_LOSS_RANKS]
         return Tally(nonfinite_ranks=[r for r, flag in enumerate(flags) if flag], stop=bool(host[_STOP]),
-                     saving=bool(host[_SAVING]), loss=host[_LOSS] / holders if holders else float("nan"),
+                     saving=bool(host[_SAVING]), loss=host[_LOSS] / loss_ranks if loss_ranks else float("nan"),
                      counters=counters)
