@@ -36,12 +36,14 @@ def apply_ddp(model: nn.Module, meshes: Meshes) -> nn.Module:
     """Wrap a materialized model in DDP over the whole data-parallel group (stage 0).
 
     gradient_as_bucket_view: gradients are views into DDP's flat communication buckets, so the buckets
-    are the gradients rather than a second copy of them.
+    are the gradients rather than a second copy of them. broadcast_buffers=False: meshfit's models hold
+    only constant buffers (RoPE tables), built the same way on every rank, so rank 0's need not be sent
+    again before every forward (one collective per micro-batch).
     """
     device = next(model.parameters()).device
     device_ids = None if device.type == "cpu" else [device]
     return DistributedDataParallel(model, process_group=meshes.dp.get_group(), device_ids=device_ids,
-                                   gradient_as_bucket_view=True)
+                                   gradient_as_bucket_view=True, broadcast_buffers=False)
 
 
 def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
