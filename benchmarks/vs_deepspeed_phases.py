@@ -9,8 +9,11 @@ the engine's bookkeeping after it); then the optimizer phase (meshfit: the gradi
 small collective, the guard, clipping, AdamW, zeroing; DeepSpeed: its `engine.step()` calls, including the
 collectives it runs at the accumulation boundary) and the rest of the step (data and the metrics record;
 DeepSpeed's loop: data and its loss mean).
-Per layout and engine it prints the median of each phase over the steady steps, in ms. The pipeline layout
-has no per-micro-batch phases to split this way and is left out.
+Per layout and engine it prints the median of each phase over the steady steps, in ms, on rank 0.
+
+The pipeline has no per-micro-batch phases to split this way: there the phases are the schedule (every
+forward and backward of the rank's stage, with their sends and receives), the optimizer phase (DeepSpeed:
+its `OptimizerStep` instruction) and the rest, on both ranks, as each runs another stage.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_deepspeed as vs  # noqa: E402
 import vs_deepspeed_interleaved as vi  # noqa: E402
 
-LAYOUTS = [name for name, (_, stage) in vs.LAYOUTS.items() if stage is not None]
+LAYOUTS = list(vs.LAYOUTS)
 
 
 class Clock:
@@ -86,14 +89,19 @@ def worker(layout: str, steps: int) -> None:
     torch.set_num_threads(1)
     keep_freed_blocks()
     deepspeed.init_distributed(dist_backend="gloo")
+    pipeline = vs.LAYOUTS[layout][1] is None
     run, guard = vi.build_meshfit(layout, steps)
     model_cfg = run.cfg.model.resolve()
-    engine = vs._build_engine(layout, run.cfg, model_cfg, dist.get_world_size())
+    dp_size, dp_rank = (1, 0) if pipeline else (dist.get_world_size(), dist.get_rank())
+    engine = vs._build_engine(layout, run.cfg, model_cfg, dp_size)
     batches = TokenBatches(make_source("synthetic", path=None, vocab_size=model_cfg.vocab_size, seed=vs.SEED),
-                           seq_len=vs.SEQ_LEN, global_batch=vs.GLOBAL_BATCH, dp_rank=dist.get_rank(),
-                           dp_size=dist.get_world_size())
+                           seq_len=vs.SEQ_LEN, global_batch=vs.GLOBAL_BATCH, dp_rank=dp_rank, dp_size=dp_size)
     clock = Clock()
-    timers = {"meshfit": ForwardTimer(run.model, clock), "deepspeed": ForwardTimer(engine.module, clock)}
+    if pipeline:
+        _mark_pipeline_phases(trainer, engine, clock)
+        timers = {}
+    else:
+        timers = {"meshfit": ForwardTimer(run.model, clock), "deepspeed": ForwardTimer(engine.module, clock)}
     optimizer_step = trainer._optimizer_step
 
     def timed_optimizer_step(*args: Any, **kwargs: Any) -> Any:
@@ -105,6 +113,9 @@ def worker(layout: str, steps: int) -> None:
     trainer._optimizer_step = timed_optimizer_step
 
     def deepspeed_step() -> None:
+        if pipeline:
+            vs._train_step(engine, batches, model_cfg.vocab_size, pipeline=True)
+            return
         inputs, targets = batches.next_batch()
         losses = []
         for x, y in zip(inputs.split(vs.MICRO), targets.split(vs.MICRO), strict=True):
@@ -121,36 +132,71 @@ def worker(layout: str, steps: int) -> None:
     phases: dict[str, list[dict[str, float]]] = {"meshfit": [], "deepspeed": []}
     for step in range(steps):
         for name in ("meshfit", "deepspeed") if step % 2 == 0 else ("deepspeed", "meshfit"):
-            timers[name].arm()
+            if name in timers:
+                timers[name].arm()
             dist.barrier()
             clock.marks.clear()
             clock.mark("rest")
             trainer.train_step(run, guard) if name == "meshfit" else deepspeed_step()
             clock.mark("end")
             phases[name].append(clock.phases())
+    every_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, phases)
     if dist.get_rank() == 0:
-        print("@result " + json.dumps(phases), flush=True)
+        print("@result " + json.dumps(every_rank if pipeline else every_rank[:1]), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _mark_pipeline_phases(trainer: Any, engine: Any, clock: Clock) -> None:
+    """Pipeline phases: meshfit's `pipeline_step`, DeepSpeed's `_exec_schedule` up to its `OptimizerStep`
+    instruction (the schedule's last), then that instruction."""
+    from deepspeed.runtime.pipe.schedule import OptimizerStep
+
+    pipeline_step, exec_schedule = trainer.pipeline_step, engine._exec_schedule
+    optimizer_instruction = engine._INSTRUCTION_MAP[OptimizerStep]
+
+    def timed_pipeline_step(*args: Any, **kwargs: Any) -> Any:
+        clock.mark("sched")
+        return pipeline_step(*args, **kwargs)
+
+    def timed_exec_schedule(*args: Any, **kwargs: Any) -> Any:
+        clock.mark("sched")
+        return exec_schedule(*args, **kwargs)
+
+    def timed_optimizer_instruction(*args: Any, **kwargs: Any) -> Any:
+        clock.mark("step")
+        result = optimizer_instruction(*args, **kwargs)
+        clock.mark("rest")
+        return result
+
+    trainer.pipeline_step = timed_pipeline_step
+    engine._exec_schedule = timed_exec_schedule
+    # The engine looks instructions up in this class-level table on every step.
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, OptimizerStep: timed_optimizer_instruction}
+
+
 def _order(key: str) -> tuple[int, int, int]:
-    """fwd1, bwd1, fwd2, bwd2, ..., step, rest."""
+    """fwd1, bwd1, fwd2, bwd2, ... (or the pipeline's sched), step, rest."""
     if key in ("step", "rest"):
         return (1, key == "rest", 0)
+    if key == "sched":
+        return (0, 0, 0)
     return (0, int(key[3:]), key.startswith("bwd"))
 
 
-def table(layout: str, phases: dict[str, list[dict[str, float]]]) -> str:
+def table(layout: str, ranks: list[dict[str, list[dict[str, float]]]]) -> str:
     lines = [f"== {layout}"]
-    for name, steps in phases.items():
-        steady = steps[vs.FIRST_STEADY - 1:]
-        # Micro-batches in order, then the optimizer phase and the rest (DeepSpeed's first step() call
-        # comes right after the first backward).
-        keys = sorted(steady[0], key=_order)
-        medians = {key: statistics.median(step.get(key, 0.0) for step in steady) for key in keys}
-        total = statistics.median(sum(step.values()) for step in steady)
-        lines.append(f"  {name:9s} total {total:6.1f}   " + "  ".join(f"{k} {v:.1f}" for k, v in medians.items()))
+    for rank, phases in enumerate(ranks):
+        for name, steps in phases.items():
+            steady = steps[vs.FIRST_STEADY - 1:]
+            # Micro-batches in order, then the optimizer phase and the rest (DeepSpeed's first step() call
+            # comes right after the first backward).
+            keys = sorted({key for step in steady for key in step}, key=_order)
+            medians = {key: statistics.median(step.get(key, 0.0) for step in steady) for key in keys}
+            total = statistics.median(sum(step.values()) for step in steady)
+            who = f"{name} rank {rank}" if len(ranks) > 1 else name
+            lines.append(f"  {who:16s} total {total:6.1f}   " + "  ".join(f"{k} {v:.1f}" for k, v in medians.items()))
     return "\n".join(lines)
 
 
@@ -165,10 +211,10 @@ def main() -> None:
         worker(args.layout, args.steps)
         return
     vs.require_deepspeed(parser)
-    layouts = vi.checked_layouts(parser, args.only, args.steps, LAYOUTS,
-                                 {"pp": "the pipeline has no per-micro-batch phases to split"})
+    layouts = vi.checked_layouts(parser, args.only, args.steps, LAYOUTS)
     print(f"median ms per phase over steps {vs.FIRST_STEADY}..{args.steps}, rank 0 "
-          "(fwdN: forward of micro-batch N; bwdN: its loss and backward; step: optimizer phase; rest: the others)")
+          "(fwdN: forward of micro-batch N; bwdN: its loss and backward; step: optimizer phase; rest: the others; "
+          "pipeline: sched is the schedule, on both ranks)")
     for layout in layouts:
         print(table(layout, vi.launch_worker(__file__, layout, args.steps)), flush=True)
 
