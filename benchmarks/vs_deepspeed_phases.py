@@ -42,6 +42,18 @@ class Clock:
     def mark(self, name: str) -> None:
         self.marks.append((name, time.perf_counter()))
 
+    def around(self, fn: Any, start: str, end: str | None = None) -> Any:
+        """`fn` marking phase `start` when called (and `end` when it returns, if given)."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.mark(start)
+            result = fn(*args, **kwargs)
+            if end is not None:
+                self.mark(end)
+            return result
+
+        return timed
+
     def phases(self) -> dict[str, float]:
         """Milliseconds per phase, phases of the same name numbered in order (fwd1, bwd1, fwd2, ...)."""
         out: dict[str, float] = {}
@@ -102,15 +114,7 @@ def worker(layout: str, steps: int) -> None:
         timers = {}
     else:
         timers = {"meshfit": ForwardTimer(run.model, clock), "deepspeed": ForwardTimer(engine.module, clock)}
-    optimizer_step = trainer._optimizer_step
-
-    def timed_optimizer_step(*args: Any, **kwargs: Any) -> Any:
-        clock.mark("step")
-        result = optimizer_step(*args, **kwargs)
-        clock.mark("rest")
-        return result
-
-    trainer._optimizer_step = timed_optimizer_step
+    trainer._optimizer_step = clock.around(trainer._optimizer_step, "step", "rest")
 
     def deepspeed_step() -> None:
         if pipeline:
@@ -153,27 +157,11 @@ def _mark_pipeline_phases(trainer: Any, engine: Any, clock: Clock) -> None:
     instruction (the schedule's last), then that instruction."""
     from deepspeed.runtime.pipe.schedule import OptimizerStep
 
-    pipeline_step, exec_schedule = trainer.pipeline_step, engine._exec_schedule
-    optimizer_instruction = engine._INSTRUCTION_MAP[OptimizerStep]
-
-    def timed_pipeline_step(*args: Any, **kwargs: Any) -> Any:
-        clock.mark("sched")
-        return pipeline_step(*args, **kwargs)
-
-    def timed_exec_schedule(*args: Any, **kwargs: Any) -> Any:
-        clock.mark("sched")
-        return exec_schedule(*args, **kwargs)
-
-    def timed_optimizer_instruction(*args: Any, **kwargs: Any) -> Any:
-        clock.mark("step")
-        result = optimizer_instruction(*args, **kwargs)
-        clock.mark("rest")
-        return result
-
-    trainer.pipeline_step = timed_pipeline_step
-    engine._exec_schedule = timed_exec_schedule
+    trainer.pipeline_step = clock.around(trainer.pipeline_step, "sched")
+    engine._exec_schedule = clock.around(engine._exec_schedule, "sched")
     # The engine looks instructions up in this class-level table on every step.
-    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, OptimizerStep: timed_optimizer_instruction}
+    timed = clock.around(engine._INSTRUCTION_MAP[OptimizerStep], "step", "rest")
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, OptimizerStep: timed}
 
 
 def _order(key: str) -> tuple[int, int, int]:
