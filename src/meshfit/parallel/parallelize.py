@@ -44,6 +44,16 @@ def apply_model_parallel(model: nn.Module, model_cfg: ModelConfig, tp_mesh: Devi
             regather_in_backward(model.output, [model.output])
 
 
+def _buffers_on(model: nn.Module, device: torch.device) -> None:
+    """With offload the sharded parameters live in host memory and FSDP gathers them to the device for
+    compute; the buffers (RoPE tables) are not FSDP's and meet the activations on the device, so they are
+    allocated there (init_weights then computes them in place)."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
                 parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
                 device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None = None,
@@ -60,9 +70,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
     if kind in ("fsdp", "replicas"):
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,
                    offload=parallel.offload)
-    # With offload the sharded parameters live in host memory; FSDP moves gathered copies to the device.
     with materialize():
         model.to_empty(device="cpu" if parallel.offload else device)
+        if parallel.offload:
+            _buffers_on(model, device)
         init_weights(model, seed, model_cfg, weights)
         if kind == "ddp":
             model = apply_ddp(model, meshes)

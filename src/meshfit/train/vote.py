@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# The shared slots; the per-rank ones follow them.
-_STOP, _SAVING, _LOSS, _LOSS_RANKS, _SQUARE, _SHARED = range(6)
+# The shared slots; the per-rank ones follow them. The first two are computed on the device, the rest on
+# the host.
+_SQUARE, _LOSS, _STOP, _SAVING, _LOSS_RANKS, _SHARED = range(6)
 
 
 @dataclass
@@ -62,18 +63,21 @@ class Vote:
     def __init__(self, ballot: Ballot, device: torch.device) -> None:
         self.world = dist.get_world_size()
         rank = dist.get_rank()
-        values = torch.zeros(_SHARED + 3 * self.world, dtype=torch.float64)
-        values[_STOP], values[_SAVING] = float(ballot.stop), float(ballot.saving)
-        values[_SHARED + rank] = float(ballot.nonfinite)
+        host = torch.zeros(_SHARED + 3 * self.world, dtype=torch.float64)
+        host[_STOP], host[_SAVING] = float(ballot.stop), float(ballot.saving)
+        host[_LOSS_RANKS] = float(ballot.loss is not None)
+        host[_SHARED + rank] = float(ballot.nonfinite)
         self.counted = ballot.counter is not None  # the same on every rank (memory/meter.py)
         if ballot.counter is not None:
-            values[_SHARED + self.world + rank] = float(ballot.counter[0])
-            values[_SHARED + 2 * self.world + rank] = float(ballot.counter[1])
-        values = values.to(device)  # NCCL reduces device tensors only
-        values[_SQUARE] = ballot.square.to(device, torch.float64)  # offloaded gradients: a host scalar
-        if ballot.loss is not None:
-            values[_LOSS] = ballot.loss.detach().to(torch.float64).reshape(())
-            values[_LOSS_RANKS] = 1.0
+            host[_SHARED + self.world + rank] = float(ballot.counter[0])
+            host[_SHARED + 2 * self.world + rank] = float(ballot.counter[1])
+        # The host's slots go to the device in one copy and join the square and the loss there (NCCL
+        # reduces device tensors only); no element is written into a device tensor one by one. With
+        # offloaded gradients the square is a host scalar and moves too.
+        square = ballot.square.to(device, torch.float64).reshape(1)
+        loss = (ballot.loss.detach().to(device, torch.float64).reshape(1) if ballot.loss is not None
+                else torch.zeros(1, dtype=torch.float64, device=device))
+        values = torch.cat([square, loss, host[_STOP:].to(device)])
         dist.all_reduce(values)
         self.values = values
 
