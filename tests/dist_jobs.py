@@ -124,3 +124,17 @@ def stash_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     diff = (grads["stash"] - grads["fp32"]).norm() / grads["fp32"].norm()
     out["relative_difference"] = float(diff)
     return out
+
+
+def announced_save_job(cfg_dict: dict[str, Any], run_dir: str) -> str:
+    """Train with every checkpoint save announced (thresholds at zero); returns what rank 0 printed."""
+    import contextlib
+    import io
+
+    from meshfit.train import checkpoint
+
+    checkpoint.ANNOUNCE_BYTES, checkpoint.ANNOUNCE_S = 0, 0.0
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        train_job(cfg_dict, run_dir)
+    return printed.getvalue()

@@ -1,6 +1,7 @@
 """`meshfit plan`: the search, the JSON schema, --explain, plan files and `meshfit train --plan`."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +180,22 @@ def test_the_cli_and_the_planner_import_without_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_the_run_header_names_the_model_a_plan_file_describes():
+    """A plan file spells every dimension out; the header still names the preset it has the shape of."""
+    from meshfit.config import load_config
+    from meshfit.models import get_preset
+    from meshfit.planner.layout import Layout, Workload
+    from meshfit.planner.planfile import plan_sections
+    from meshfit.train.launch import banner
+    from meshfit.train.shape import resolve_run
+
+    work = Workload(seq_len=2048, global_batch=8, precision="mixed")
+    for preset in ("llama3-8b", "gpt3-125m"):
+        cfg = load_config(None, sections=plan_sections(get_preset(preset), work, Layout(micro_batch=1)))
+        assert cfg.model.preset == "tiny"  # the plan's model section names no preset
+        line = banner(cfg, resolve_run(cfg, 1), Path("runs/x"), 1, None)
+        assert line.startswith(f"meshfit train: model {preset}, "), line
+    cfg = load_config(None, ["model.preset=llama3-8b", "model.n_layers=4"])
+    assert "model custom llama (preset llama3-8b reshaped), " in banner(cfg, resolve_run(cfg, 1), Path("r"), 1, None)

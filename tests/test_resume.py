@@ -14,6 +14,7 @@ from meshfit.export import read_model
 from meshfit.testing import run_ranks, snapshot
 from meshfit.train.launch import launch
 from meshfit.train.optim import lr_factor
+from meshfit.units import fmt_bytes
 
 LAYOUTS = {
     "ddp": ["parallel.dp_replicate=2"],
@@ -150,3 +151,18 @@ def test_runs_are_never_mixed_or_wiped_by_a_resume(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     outcome = launch(load_config(None, [*base, "train.steps=6"]), tmp_path / "a")
     assert outcome.ok and outcome.result["start_step"] == 4 and outcome.result["end_step"] == 6
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_long_checkpoint_write_says_what_it_writes_and_how_long_it_took(tmp_path):
+    """The console names a large save before it starts and its size and time when it is done."""
+    from dist_jobs import announced_save_job
+
+    cfg = parity_config("train.steps=2", "parallel.dp_shard=2", "parallel.zero_stage=3")
+    printed = run_ranks(announced_save_job, 2, cfg, str(tmp_path))[0]
+    folder = tmp_path / "checkpoints" / "step-00000002"
+    written = sum(p.stat().st_size for p in folder.iterdir() if p.name != "meshfit.json")
+    assert f"[checkpoint] writing step 2 to {folder}: model, optimizer states" in printed, printed
+    line = next(x for x in printed.splitlines() if x.startswith("[checkpoint] step 2: "))
+    assert f" written to {folder} in " in line and fmt_bytes(written) in line, (line, written)

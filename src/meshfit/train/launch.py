@@ -7,6 +7,7 @@ Whatever happens, the caller gets one Outcome: the rank-0 result, or one failure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -79,6 +80,21 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def model_name(preset: str, model: Any) -> str:
+    """The preset's name when `model` has its shape (a plan file spells every dimension out), else the
+    family of a custom shape; kernel, vocabulary padding and dropout do not change which model it is."""
+    from meshfit.models.presets import PRESETS
+
+    def shape_of(m: Any) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(m).items() if k not in ("attention", "pad_vocab_to", "dropout")}
+
+    names = [preset, *PRESETS]  # the config's own preset first
+    same = next((name for name in names if name in PRESETS and shape_of(PRESETS[name]) == shape_of(model)), None)
+    if same is not None:
+        return same
+    return f"custom {model.family} (preset {preset} reshaped)"
+
+
 def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: int | None) -> str:
     """One line before training: what runs, where, and for how long."""
     from meshfit.models.config import num_params
@@ -89,11 +105,7 @@ def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: 
     steps = cfg.train.steps if cfg.train.stop_after is None else min(cfg.train.steps, cfg.train.stop_after)
     first = "" if start_step is None else f" from step {start_step + 1}"
     precision = "bf16 mixed" if shape.mixed_precision else "fp32"
-    # A preset whose dimensions were overridden is another model: name its family instead.
-    shaped = {k for k, v in cfg.model.model_dump().items() if v is not None} - {"preset", "init_from", "attention",
-                                                                                "pad_vocab_to", "dropout"}
-    name = f"{cfg.model.preset}" if not shaped else f"{model.family} from preset {cfg.model.preset}"
-    return (f"meshfit train: model {name}, {fmt_count(num_params(model))} params ({model.n_layers} "
+    return (f"meshfit train: model {model_name(cfg.model.preset, model)}, {fmt_count(num_params(model))} params ({model.n_layers} "
             f"layers, dim {model.dim}), layout {shape.dims.describe()}{stage}, {world} rank"
             f"{'s' if world > 1 else ''}, {precision}; steps up to {steps}{first} of {cfg.train.steps}, "
             f"global batch {cfg.train.global_batch} × {cfg.train.seq_len} tokens; run directory {run_dir}")
