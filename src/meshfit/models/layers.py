@@ -51,7 +51,12 @@ class Dropout(nn.Dropout):
 
 
 class RMSNorm(nn.RMSNorm):
+    # False inside a block that is recomputed as a whole or op by op (parallel/activation.py): the
+    # block's own recompute already keeps none of the norm's intermediates, and a checkpoint of its own
+    # would run the norm a third time and add Python hooks to every call.
+    recompute_alone = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self.recompute_alone:
             return super().forward(x)
         return checkpoint(super().forward, x, use_reentrant=False)

@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from meshfit.models.layers import RMSNorm
+
 # Ops whose outputs the "op" policy keeps: matmuls, attention kernels and reductions (recomputing those
 # would communicate again). Everything else is recomputed, sequence-parallel all-gathers included: their
 # full-size outputs are gathered again in backward rather than kept (as Megatron-LM does).
@@ -58,4 +60,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
         context["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
     names = list(model.layers.keys())
     for index in checkpointed_blocks(len(names), mode, every):
-        model.layers[names[index]] = checkpoint_wrapper(model.layers[names[index]], **context)
+        block = model.layers[names[index]]
+        for module in block.modules():
+            if isinstance(module, RMSNorm):
+                module.recompute_alone = False
+        model.layers[names[index]] = checkpoint_wrapper(block, **context)
