@@ -20,6 +20,7 @@ from meshfit.planner.hardware import GPUS, Cluster
 from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Layout, Workload, parse_assignments,
                                     parse_layout)
 from meshfit.names import did_you_mean
+from meshfit.paths import check_out_file
 from meshfit.units import fmt_bytes, fmt_count, fmt_duration, parse_bytes
 
 
@@ -95,7 +96,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
                    help="evaluate exactly this layout (keys of the parallel/pipeline config, e.g. "
                         "dp_shard=64,zero_stage=2)" + (" — required" if single_layout else ""))
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    g.add_argument("--out", type=Path, metavar="FILE", help="write the plan (chosen layout) to FILE")
+    if not single_layout:  # verify writes no file
+        g.add_argument("--out", type=Path, metavar="FILE", help="write the plan (chosen layout) to FILE")
+        g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
 
 def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
@@ -104,7 +107,10 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     from meshfit.models.presets import PRESETS
 
     if spec.endswith(".json") or Path(spec).is_file():
-        name, model = Path(spec).parent.name or spec, model_from_hf_config(spec)
+        try:
+            name, model = Path(spec).parent.name or spec, model_from_hf_config(spec)
+        except ValueError as exc:  # the message starts with the file's name
+            raise PlanInputError(f"--model {exc}") from None
     elif spec in PRESETS:
         name, model = spec, PRESETS[spec]
     else:
@@ -197,19 +203,6 @@ def layout_from_args(args: argparse.Namespace):
         raise _layout_error(exc) from None
 
 
-def check_out_file(path: Path | None) -> None:
-    """--out names a file that can be written (checked before the search, which may take a while)."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise PlanInputError(f"--out {path} is a directory; give a file name, e.g. {path / 'plan.json'}")
-    ancestor = path.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise PlanInputError(f"--out {path}: {ancestor} is a file, so {path.name} cannot be written under it")
-
-
 def _layout_table(plan, rows, title: str) -> Table:
     table = Table(title=title)
     for col in ("#", "layout", "fits", "peak/rank", "params", "grads", "optim", "acts", "buffers", "step time",
@@ -229,7 +222,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from meshfit.planner.planfile import write_plan
     from meshfit.planner.search import Plan, evaluate, search
 
-    check_out_file(args.out)
+    if args.out is not None:  # checked before the search, which may take a while
+        check_out_file(args.out, "--out", args.overwrite, "plan.json", make_parents=True)
     name, model = resolve_model(args.model, args.dims)
     # Flags are checked before the cluster: --gpu cpu without --hardware calibrates this machine first.
     layout = layout_from_args(args) if args.layout else None
