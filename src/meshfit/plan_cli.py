@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from meshfit.models.config import ATTENTIONS
@@ -323,7 +324,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     out = Console(width=None if Console().is_terminal else 120)
     # The title as whole phrases on lines of their own: a table title wraps at the table's width (about
     # 50 columns here), mid-phrase.
-    out.print(f"[bold]{name}, {layout.describe()} at {layout.world_size} ranks: rank {result.rank}[/bold]\n"
+    out.print(f"[bold]{escape(name)}, {layout.describe()} at {layout.world_size} ranks: rank {result.rank}[/bold]\n"
               "predicted vs measured by a fake-tensor run of the real code", highlight=False, soft_wrap=True)
     table = Table()
     for col in ("component", "predicted", "measured", "error"):
