@@ -127,6 +127,10 @@ def ws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+# /proc: a folder that exists and where no file can be created, even by root (permissions would not do).
+NEEDS_PROC = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+
+
 def case(case_id: str, template: str, *needles: str, code: int = 2, marks=()):
     return pytest.param(template, code, needles, id=case_id, marks=marks)
 
@@ -296,6 +300,8 @@ PLAN_FLAGS = [
     case("calibrate-model-json-is-a-directory", "calibrate --model {ws}/adir.json", "--model",
          "adir.json is a directory", "!calibrating"),
     case("plan-out-exists", f"{SMALL_PLAN} --out {{ws}}/afile", "--out", "exists", "--overwrite"),
+    case("plan-out-unwritable", f"{SMALL_PLAN} --out /proc/meshfit-plan.json", "--out /proc/meshfit-plan.json",
+         "cannot be written", marks=NEEDS_PROC),
     case("calibrate-out-exists", "calibrate --out {ws}/afile", "--out", "exists", "--overwrite", "!calibrating"),
     case("plan-cpu-offload", "plan --model tiny --gpu cpu --gpu-memory 80MiB --gpus-per-node 2 --layout "
          "dp_shard=2,offload=true", "offload=true", "on CPU ranks the host is the same memory", "!calibrating"),
@@ -357,6 +363,8 @@ EXPORT = [
     case("export-out-under-a-file", "export {run} --out {ws}/afile/sub", "--out", "afile is a file"),
     case("export-out-holds-an-export", "export {run} --out {ws}/nonempty", "--out", "config.json",
          "--overwrite"),
+    case("export-out-unwritable", "export {run} --out /proc/meshfit-hf", "--out /proc/meshfit-hf cannot be written",
+         marks=NEEDS_PROC),
     case("export-no-checkpoint", "export {ws}/adir --out {ws}/hf", "adir", "no complete checkpoint",
          "run folder"),
     case("export-missing-path", "export {ws}/nope --out {ws}/hf", "nope", "does not exist"),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -66,3 +67,18 @@ def _try_write(path: Path, flag: str) -> None:
                         "location") from None
     if not existed:
         path.unlink(missing_ok=True)
+
+
+def check_out_dir(path: Path, flag: str) -> None:
+    """Files can be created in the folder ``path`` (or, when it does not exist yet, in its nearest existing
+    ancestor, where it would be made): tried with a temporary file that is removed again."""
+    folder = Path(path)
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".meshfit-probe-")
+    except OSError as exc:
+        raise PathError(f"{flag} {path} cannot be written ({exc.strerror or exc} in {folder}): choose a "
+                        "writable location") from None
+    os.close(fd)
+    os.unlink(probe)
