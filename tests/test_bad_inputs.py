@@ -43,6 +43,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _workspace(ws: Path) -> None:
     (ws / "afile").write_text("a file where a folder is expected\n")
     (ws / "adir").mkdir()
+    (ws / "adir.json").mkdir()  # a folder named like a config.json
     (ws / "bad.toml").write_text("[train\nsteps=")
     (ws / "bad.yaml").write_text("train: [\n")
     (ws / "bad.json").write_text('{"train":')
@@ -126,6 +127,10 @@ def ws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+# /proc: a folder that exists and where no file can be created, even by root (permissions would not do).
+NEEDS_PROC = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+
+
 def case(case_id: str, template: str, *needles: str, code: int = 2, marks=()):
     return pytest.param(template, code, needles, id=case_id, marks=marks)
 
@@ -160,6 +165,8 @@ SET_SYNTAX = [
     case("set-steps-not-int", "train --set train.steps=abc", "train.steps: expected an integer", "'abc'"),
     case("set-tp-float", "train --set parallel.tp=1.5", "parallel.tp: expected an integer", "'1.5'"),
     case("set-budget-not-size", "train --set train.memory_budget=lots", "train.memory_budget", "300MiB"),
+    case("set-budget-overflows", "train --set train.memory_budget=1e400GiB", "train.memory_budget",
+         "larger than any machine's memory", "1 EiB"),
     case("set-bool-not-bool", "train --set metrics.tensorboard=maybe", "metrics.tensorboard",
          "expected true or false"),
     case("set-zero-stage-4", "train --set parallel.zero_stage=4", "parallel.zero_stage", "0 (DDP)", "3 (+"),
@@ -237,6 +244,7 @@ LAYOUT = [
 
 PLAN_FILE = [
     case("plan-file-missing", "train --plan {ws}/missing.json", "--plan", "missing.json", "meshfit plan"),
+    case("plan-file-is-a-directory", "train --plan {ws}/adir", "--plan", "adir is a directory, not a plan file"),
     case("plan-file-corrupt", "train --plan {ws}/bad.json", "bad.json", "not a JSON plan file"),
     case("plan-file-not-a-plan", "train --plan {ws}/notplan.json", "notplan.json", "meshfit-plan/1"),
     case("plan-file-not-an-object", "train --plan {ws}/list.json", "list.json", "JSON object"),
@@ -278,6 +286,27 @@ PLAN_FLAGS = [
          "positive integer"),
     case("plan-gpu-memory-not-size", "plan --model tiny --gpu-memory abc", "--gpu-memory", "MiB"),
     case("plan-gpu-memory-zero", "plan --model tiny --gpu-memory 0", "--gpu-memory", "positive size"),
+    case("plan-gpu-memory-overflows", "plan --model tiny --gpu-memory 1e400GiB", "--gpu-memory",
+         "larger than any machine's memory", "80GiB"),
+    case("plan-gpu-memory-beyond-an-exabyte", "plan --model tiny --gpu-memory 2000000TiB", "--gpu-memory",
+         "larger than any machine's memory"),
+    case("verify-gpu-memory-overflows", "verify --model tiny --layout dp_shard=2 --gpu-memory 1e400GiB",
+         "--gpu-memory", "larger than any machine's memory"),
+    case("plan-hardware-is-a-directory", "plan --model tiny --hardware {ws}/adir", "--hardware",
+         "adir is a directory, not a hardware profile"),
+    case("verify-hardware-is-a-directory", "verify --model tiny --layout dp_shard=2 --hardware {ws}/adir",
+         "--hardware", "adir is a directory, not a hardware profile"),
+    case("plan-model-json-is-a-directory", "plan --model {ws}/adir.json", "--model", "adir.json is a directory"),
+    case("calibrate-model-json-is-a-directory", "calibrate --model {ws}/adir.json", "--model",
+         "adir.json is a directory", "!calibrating"),
+    case("plan-out-exists", f"{SMALL_PLAN} --out {{ws}}/afile", "--out", "exists", "--overwrite"),
+    case("plan-out-unwritable", f"{SMALL_PLAN} --out /proc/meshfit-plan.json", "--out /proc/meshfit-plan.json",
+         "cannot be written", marks=NEEDS_PROC),
+    case("calibrate-out-exists", "calibrate --out {ws}/afile", "--out", "exists", "--overwrite", "!calibrating"),
+    case("plan-cpu-offload", "plan --model tiny --gpu cpu --gpu-memory 80MiB --gpus-per-node 2 --layout "
+         "dp_shard=2,offload=true", "offload=true", "on CPU ranks the host is the same memory", "!calibrating"),
+    case("verify-cpu-offload", "verify --model tiny --seq-len 64 --gpu cpu --gpu-memory 80MiB --layout "
+         "dp_shard=2,offload=true", "offload=true", "on CPU ranks the host is the same memory"),
     case("plan-gpu-tflops-negative", "plan --model tiny --gpu-tflops=-1", "--gpu-tflops", "positive number"),
     case("plan-link-zero", "plan --model tiny --intra-node-gbps 0", "--intra-node-gbps", "positive number"),
     case("plan-seq-len-zero", "plan --model tiny --seq-len 0", "--seq-len", "positive integer"),
@@ -334,6 +363,8 @@ EXPORT = [
     case("export-out-under-a-file", "export {run} --out {ws}/afile/sub", "--out", "afile is a file"),
     case("export-out-holds-an-export", "export {run} --out {ws}/nonempty", "--out", "config.json",
          "--overwrite"),
+    case("export-out-unwritable", "export {run} --out /proc/meshfit-hf", "--out /proc/meshfit-hf cannot be written",
+         marks=NEEDS_PROC),
     case("export-no-checkpoint", "export {ws}/adir --out {ws}/hf", "adir", "no complete checkpoint",
          "run folder"),
     case("export-missing-path", "export {ws}/nope --out {ws}/hf", "nope", "does not exist"),

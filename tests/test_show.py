@@ -190,9 +190,9 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     _assert_usage_error(capsys, [str(corrupt)], "line 1 is not a step record (a JSON list)")
     bad_value = {**_record(1, 2.0, 100, [2**20]), "loss": "nan?"}
     (corrupt / "metrics.jsonl").write_text(json.dumps(bad_value) + "\n")
-    _assert_usage_error(capsys, [str(corrupt)], "line 1 is not a step record (not a number: loss)")
+    _assert_usage_error(capsys, [str(corrupt)], "line 1 is not a step record (loss: expected a number, got 'nan?')")
     (corrupt / "metrics.jsonl").write_text(json.dumps({**bad_value, "loss": 2.0, "mem": [3]}) + "\n")
-    _assert_usage_error(capsys, [str(corrupt)], "mem is not a list of objects")
+    _assert_usage_error(capsys, [str(corrupt)], "mem: expected a list of one object per rank, got 3 for rank 0")
 
     broken_result = tmp_path / "broken_result"
     _make_run(broken_result, result={})
@@ -202,6 +202,73 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     out_file.write_text("x")
     _assert_usage_error(capsys, [str(good), "--out", str(out_file)], f"--out {out_file} is a file")
     assert not list(good.glob("*.png"))  # every failure above came before any plot was written
+
+
+def _set_rank_value(run: Path, line: int, rank: int, key: str, value) -> None:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    records[line - 1]["mem"][rank][key] = value
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("breaks, expected", [
+    # A rank's breakdown at its peak: the table reads `peak`, the memory plot every category.
+    (lambda run: _set_rank_value(run, 2, 0, "peak", "big"),
+     "metrics.jsonl line 2 is not a step record (mem[0].peak: expected a number of bytes ≥ 0, got 'big')"),
+    (lambda run: _set_rank_value(run, 4, 1, "grads", "zero"),
+     "metrics.jsonl line 4 is not a step record (mem[1].grads: expected a number of bytes ≥ 0, got 'zero')"),
+    (lambda run: _set_rank_value(run, 1, 1, "activations", None),
+     "metrics.jsonl line 1 is not a step record (mem[1].activations: expected a number of bytes ≥ 0, got null)"),
+    (lambda run: (run / "result.json").write_text(json.dumps({"world_size": "two"})),
+     "result.json: world_size: expected a whole number of ranks ≥ 1, got 'two'"),
+    (lambda run: (run / "result.json").write_text(json.dumps({"zero_stage": 7})),
+     "result.json: zero_stage: expected a ZeRO stage 0, 1, 2 or 3, got 7"),
+    (lambda run: (run / "config.yaml").write_text("model:\n  preset: tiny\ntrain:\n  - 1\n  - 2\n"),
+     "config.yaml: train: expected a section of key: value entries, got a list"),
+    (lambda run: (run / "config.yaml").write_text("parallel:\n  dp_shard: two\n"),
+     "config.yaml: parallel.dp_shard: expected a whole degree ≥ 1, or -1 (the rest of the ranks), got 'two'"),
+    (lambda run: (run / "config.yaml").write_text("train:\n  steps: 1.5\n"),
+     "config.yaml: train.steps: expected a whole number of steps ≥ 1, got 1.5"),
+    (lambda run: (run / "config.yaml").write_text("pipeline:\n  schedule: 3\n"),
+     "config.yaml: pipeline.schedule: expected a string, got 3"),
+    (lambda run: (run / "config.yaml").write_text("- a list\n"),
+     "config.yaml: expected the run's resolved config (sections model, parallel, train …), got a list"),
+    (lambda run: (run / "result.json").mkdir(), "result.json is a directory, not a result file"),
+], ids=["peak-string", "category-string", "category-null", "world-size-string", "zero-stage-range",
+        "train-is-a-list", "degree-string", "steps-fraction", "schedule-number", "config-a-list", "result-a-dir"])
+def test_wrong_values_in_run_files_are_one_line_before_any_plot(tmp_path, capsys, breaks, expected):
+    run = tmp_path / "run"
+    _make_run(run)
+    breaks(run)
+    line = _assert_usage_error(capsys, [str(run)], expected)
+    assert str(run) in line
+    assert not list(run.glob("*.png"))  # checked before the table and every plot
+
+
+def test_step_ticks_are_whole_numbers_and_flat_memory_starts_at_zero(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    _make_run(run, steps=3)  # 3 steps: matplotlib's own ticks would be 1.00, 1.25, … 3.00
+    figures = []
+    real_save = show_mod._save
+    monkeypatch.setattr(show_mod, "_save", lambda fig, path, **kw: figures.append(fig) or real_save(fig, path, **kw))
+    code, _, err = _show(capsys, str(run))
+    assert code == 0, err
+    for fig in figures:
+        for ax in fig.axes:
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    panels = {ax.get_title(): ax for ax in figures[2].axes}
+    assert panels["grads"].get_ylim() == (0, 1)  # all-zero gradients: a flat line at the bottom, not ±0.04
+    params = 8 * 2**20 // 10 / 2**20  # rank 0's and rank 1's params differ: not constant, autoscaled
+    assert panels["params"].get_ylim()[0] < params
+    constant = tmp_path / "constant"
+    _make_run(constant, steps=3)
+    for line in (1, 2, 3):
+        for rank in (0, 1):
+            _set_rank_value(constant, line, rank, "params", 4 * 2**20)
+    figures.clear()
+    assert _show(capsys, str(constant))[0] == 0
+    panels = {ax.get_title(): ax for ax in figures[2].axes}
+    assert panels["params"].get_ylim() == (0, 5)  # 4 MiB on every rank and step: 0 … 4 MiB + a quarter
 
 
 def test_paths_are_not_markup(tmp_path, capsys, monkeypatch):

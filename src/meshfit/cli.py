@@ -11,6 +11,7 @@ from typing import Any
 
 from meshfit.config import ConfigError, load_config
 from meshfit.names import did_you_mean
+from meshfit.paths import PathError
 from meshfit.plan_cli import add_plan_arguments, positive_int
 
 _EPILOG = """\
@@ -224,34 +225,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    out = args.out
-    if out is not None:
-        if out.is_dir():
-            print(f"error: --out {out} is a directory; expected a file name such as {out / 'hardware.json'}",
-                  file=sys.stderr)
-            return 2
-        if out.exists() and not args.overwrite:
-            print(f"error: --out {out} exists: replace it with --overwrite or choose another file", file=sys.stderr)
-            return 2
-        if not out.parent.is_dir():
-            print(f"error: --out {out}: the folder {out.parent} does not exist", file=sys.stderr)
-            return 2
-    if args.seq_len and not args.model:
-        print("error: --seq-len is the sequence length of --model's measurement: give --model too", file=sys.stderr)
-        return 2
-    model = None
-    if args.model:
-        from meshfit.plan_cli import PlanInputError, resolve_model
+    from meshfit.paths import check_out_file
 
-        try:
+    out = args.out
+    try:  # before the measurement (tens of seconds), not after it
+        if out is not None:
+            check_out_file(out, "--out", args.overwrite, "hardware.json")
+        if args.seq_len and not args.model:
+            raise PathError("--seq-len is the sequence length of --model's measurement: give --model too")
+        model = None
+        if args.model:
+            from meshfit.plan_cli import resolve_model
+
             model = resolve_model(args.model, "")[1]
-        except PlanInputError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    except ValueError as exc:  # PathError, PlanInputError, a --model file that is not a config.json
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     from meshfit.calibrate import CalibrationError, calibrate
-    from meshfit.planner.profile import save_profile
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -267,10 +259,32 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return 1
     if out is None:
         print(profile.model_dump_json(indent=2))
-    else:
+        return 0
+    return _save_profile(profile, out)
+
+
+def _save_profile(profile: Any, out: Path) -> int:
+    """Write the profile to `out`; when that fails after all (the file system changed during the
+    measurement), keep the measurement: a file in the temporary folder, and the JSON on stdout."""
+    import tempfile
+
+    from meshfit.planner.profile import save_profile
+
+    try:
         save_profile(profile, out)
-        print(f"wrote {out} ({profile.seconds:.0f} s of measurement); use it with "
-              f"`meshfit plan --hardware {out}`", file=sys.stderr)
+    except OSError as exc:
+        kept = Path(tempfile.gettempdir()) / f"meshfit-hardware-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        try:
+            save_profile(profile, kept)
+            where = f"it is kept in {kept} (use it with `meshfit plan --hardware {kept}`) and printed below"
+        except OSError:
+            where = "it is printed below: save it as a .json file"
+        print(f"error: --out {out} could not be written after the measurement ({exc.strerror or exc}); "
+              f"{where}", file=sys.stderr)
+        print(profile.model_dump_json(indent=2))
+        return 1
+    print(f"wrote {out} ({profile.seconds:.0f} s of measurement); use it with "
+          f"`meshfit plan --hardware {out}`", file=sys.stderr)
     return 0
 
 
@@ -299,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return commands[args.command](args)
-    except ConfigError as exc:
+    except (ConfigError, PathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -6,18 +6,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshfit.paths import read_text
+
 
 def read_json_object(path: str | Path, what: str, hint: str = "") -> dict[str, Any]:
-    """The JSON object in ``path``; ValueError naming the file when it is missing, not JSON or not an object.
+    """The JSON object in ``path``; ValueError naming the file when it is missing, a directory, unreadable,
+    not JSON or not an object.
 
     ``what`` names the expected content ("plan file", "model config"); ``hint`` says how to get one.
     """
     path = Path(path)
+    text = read_text(path, what, hint)
     try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such {what}{f' ({hint})' if hint else ''}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not a JSON {what} ({exc})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a JSON object ({what})")

@@ -11,15 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from meshfit.models.config import ATTENTIONS
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.plan_cluster import DEFAULT_GPU, PlanInputError, resolve_cluster
-from meshfit.planner.hardware import GPUS, Cluster
+from meshfit.planner.hardware import CPU, GPUS, Cluster, device_noun, headroom_words, is_cpu, mfu_basis
 from meshfit.planner.layout import (OPTIMIZERS, PRECISIONS, Layout, Workload, parse_assignments,
                                     parse_layout)
 from meshfit.names import did_you_mean
+from meshfit.paths import check_out_file
 from meshfit.units import fmt_bytes, fmt_count, fmt_duration, parse_bytes
 
 
@@ -95,7 +97,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
                    help="evaluate exactly this layout (keys of the parallel/pipeline config, e.g. "
                         "dp_shard=64,zero_stage=2)" + (" — required" if single_layout else ""))
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    g.add_argument("--out", type=Path, metavar="FILE", help="write the plan (chosen layout) to FILE")
+    if not single_layout:  # verify writes no file
+        g.add_argument("--out", type=Path, metavar="FILE", help="write the plan (chosen layout) to FILE")
+        g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
 
 def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
@@ -104,7 +108,10 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     from meshfit.models.presets import PRESETS
 
     if spec.endswith(".json") or Path(spec).is_file():
-        name, model = Path(spec).parent.name or spec, model_from_hf_config(spec)
+        try:
+            name, model = Path(spec).parent.name or spec, model_from_hf_config(spec)
+        except ValueError as exc:  # the message starts with the file's name
+            raise PlanInputError(f"--model {exc}") from None
     elif spec in PRESETS:
         name, model = spec, PRESETS[spec]
     else:
@@ -143,10 +150,13 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
     from meshfit.parallel.dims import divisors
     from meshfit.parallel.tensor_parallel import tp_degree_error
 
+    if cluster is not None:
+        refuse_cpu_offload(layout, is_cpu(cluster.gpu))
     if cluster is not None and layout.world_size != cluster.world_size:
-        raise PlanInputError(f"--layout spans {layout.world_size} GPUs ({layout.describe()}: pp × dp_replicate × "
-                             f"dp_shard × tp), the cluster {cluster.world_size} (--nodes {cluster.nodes} × "
-                             f"--gpus-per-node {cluster.gpus_per_node}): make the two equal")
+        raise PlanInputError(f"--layout spans {layout.world_size} {device_noun(cluster.gpu, layout.world_size)} "
+                             f"({layout.describe()}: pp × dp_replicate × dp_shard × tp), the cluster "
+                             f"{cluster.world_size} (--nodes {cluster.nodes} × --gpus-per-node "
+                             f"{cluster.gpus_per_node}): make the two equal")
     if workload.seq_len > model.max_seq_len:
         raise PlanInputError(f"--seq-len {workload.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; "
                              f"use --seq-len ≤ {model.max_seq_len} (or --dims max_seq_len=…)")
@@ -161,6 +171,15 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
         raise PlanInputError(f"micro-batch {layout.micro_batch} (--micro-batch, or micro_batch in --layout) does "
                              f"not divide the per-rank batch {batch // dp} (--global-batch {batch} / dp {dp}); "
                              f"valid: {', '.join(map(str, divisors(batch // dp)))}")
+
+
+def refuse_cpu_offload(layout, cpu: bool) -> None:
+    """Offload moves model states from device to host memory; CPU ranks have no other memory to move
+    them to, so such a layout would only hide them from the budget (the search plans none on CPU)."""
+    if cpu and layout.offload:
+        raise PlanInputError("--layout offload=true moves parameters, gradients and optimizer states to host "
+                             "memory, but on CPU ranks the host is the same memory (each rank's --gpu-memory "
+                             "budget holds them either way): drop offload=true")
 
 
 def _layout_error(exc: ValueError) -> PlanInputError:
@@ -197,19 +216,6 @@ def layout_from_args(args: argparse.Namespace):
         raise _layout_error(exc) from None
 
 
-def check_out_file(path: Path | None) -> None:
-    """--out names a file that can be written (checked before the search, which may take a while)."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise PlanInputError(f"--out {path} is a directory; give a file name, e.g. {path / 'plan.json'}")
-    ancestor = path.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise PlanInputError(f"--out {path}: {ancestor} is a file, so {path.name} cannot be written under it")
-
-
 def _layout_table(plan, rows, title: str) -> Table:
     table = Table(title=title)
     for col in ("#", "layout", "fits", "peak/rank", "params", "grads", "optim", "acts", "buffers", "step time",
@@ -229,10 +235,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from meshfit.planner.planfile import write_plan
     from meshfit.planner.search import Plan, evaluate, search
 
-    check_out_file(args.out)
+    if args.out is not None:  # checked before the search, which may take a while
+        check_out_file(args.out, "--out", args.overwrite, "plan.json", make_parents=True)
     name, model = resolve_model(args.model, args.dims)
     # Flags are checked before the cluster: --gpu cpu without --hardware calibrates this machine first.
     layout = layout_from_args(args) if args.layout else None
+    if layout is not None:  # before --gpu cpu calibrates this machine
+        refuse_cpu_offload(layout, (args.gpu or "").strip().lower() == CPU)
     cluster = resolve_cluster(args)
     workload = resolve_workload(args, cluster.world_size)
     if layout is not None:
@@ -254,12 +263,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     console = Console(width=None if Console().is_terminal else 160)
     usable = plan.to_json(top=0)["cluster"]["usable_bytes"]
+    gpu = cluster.gpu
+    where = (f"{cluster.world_size} CPU ranks ({cluster.nodes} × {cluster.gpus_per_node})" if is_cpu(gpu) else
+             f"{cluster.nodes} × {cluster.gpus_per_node} {gpu.name}")
     console.print(f"[bold]{name}[/bold] ({fmt_count(plan.to_json(top=0)['model']['params'])} params) on "
-                  f"{cluster.nodes} × {cluster.gpus_per_node} {cluster.gpu.name}, seq {workload.seq_len}, global batch "
+                  f"{where}, seq {workload.seq_len}, global batch "
                   f"{workload.global_batch} sequences, {workload.precision}, {workload.optimizer}: "
-                  f"{len(plan.fitting)} of {len(plan.candidates)} layouts fit in {fmt_bytes(usable)} usable per GPU")
+                  f"{len(plan.fitting)} of {len(plan.candidates)} layouts fit in {fmt_bytes(usable)} usable per "
+                  f"{device_noun(gpu, 1)}")
     console.print(_layout_table(plan, plan.candidates[:args.top or 10], "best layouts (most-loaded rank; "
                                                                         "fitting ones by throughput)"))
+    if gpu.profile is not None:  # a measured rate, not a datasheet peak: say so, as it can read near 100%
+        console.print(f"MFU is relative to {mfu_basis(gpu)}: a layout that loses little to communication, "
+                      "bubbles and recompute reads near 100%.", highlight=False)
     failing = sorted((c for c in plan.candidates if not c.fits), key=lambda c: -c.time.tokens_per_s)[:5]
     if failing:
         console.print("[bold]Faster layouts that do not fit[/bold]:")
@@ -306,8 +322,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           "wall_s": result.wall_s, "max_rss_bytes": result.max_rss_bytes}, indent=1))
         return 0
     out = Console(width=None if Console().is_terminal else 120)
-    table = Table(title=f"{name}, {layout.describe()} at {layout.world_size} ranks: rank {result.rank} "
-                        f"(predicted vs measured by a fake-tensor run of the real code)")
+    # The title as whole phrases on lines of their own: a table title wraps at the table's width (about
+    # 50 columns here), mid-phrase.
+    out.print(f"[bold]{escape(name)}, {layout.describe()} at {layout.world_size} ranks: rank {result.rank}[/bold]\n"
+              "predicted vs measured by a fake-tensor run of the real code", highlight=False, soft_wrap=True)
+    table = Table()
     for col in ("component", "predicted", "measured", "error"):
         table.add_column(col, justify="left" if col == "component" else "right")
     for key in ("params", "grads", "optim", "activations", "buffers", "total"):
@@ -320,9 +339,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     verdict = (f"fits: {fmt_bytes(peak)} of {fmt_bytes(usable)} usable" if peak <= usable else
                f"does not fit: {fmt_bytes(peak)} needed, {fmt_bytes(usable)} usable ({fmt_bytes(peak - usable)} "
                "too much)")
-    out.print(f"{cluster.gpu.name}: {verdict} (the planner's headroom for the CUDA context, communication "
-              f"buffers and fragmentation taken off)\ndry run: {result.wall_s:.1f} s, "
-              f"{fmt_bytes(result.max_rss_bytes)} peak process memory", highlight=False)
+    device = "each CPU rank" if is_cpu(cluster.gpu) else cluster.gpu.name
+    out.print(f"{device}: {verdict}\n({headroom_words(cluster.gpu)})\ndry run: {result.wall_s:.1f} s, "
+              f"{fmt_bytes(result.max_rss_bytes)} peak process memory", highlight=False, soft_wrap=True)
     return 0
 
 

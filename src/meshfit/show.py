@@ -15,25 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from meshfit import runfiles
+from meshfit.paths import PathError, read_text
+from meshfit.runfiles import MEM_CATEGORIES, REQUIRED_KEYS, ShowError, read_config, read_result
 from meshfit.units import fmt_bytes
 
 METRICS = "metrics.jsonl"
-# Keys every step record has carried since metrics.jsonl exists; the table and plots need them.
-REQUIRED_KEYS = ("step", "loss", "tokens_per_s", "step_time_s", "peak_mem_bytes")
-# Memory categories of a rank's breakdown at its peak (they add up to `peak`), in plotting order.
-MEM_CATEGORIES = ("params", "grads", "optim", "activations", "other", "offloaded", "peak")
 _MIB = 2**20
-
-
-class ShowError(ValueError):
-    """Bad input for `meshfit show`: the message names the path and what was expected."""
 
 
 @dataclass
@@ -96,9 +91,9 @@ def read_records(metrics: Path) -> list[dict[str, Any]]:
     is a record still being written (or cut short when a rank was killed), as the trainer sees it too;
     it is left out with a note."""
     try:
-        text = metrics.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ShowError(f"{metrics} cannot be read: {exc}") from None
+        text = read_text(metrics, "metrics file of one JSON step record per line")
+    except PathError as exc:
+        raise ShowError(str(exc)) from None
     lines = text.splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
@@ -115,49 +110,21 @@ def read_records(metrics: Path) -> list[dict[str, Any]]:
                             f"JSON step record per line") from None
         problem = _record_problem(rec)
         if problem:
-            raise ShowError(f"{metrics} line {number} is not a step record ({problem}): expected a JSON object "
-                            f"with numbers {', '.join(REQUIRED_KEYS)} and a list `mem` of one object per rank")
+            # A wrong value names its field and what it should be; a wrong shape gets the whole picture.
+            shape = "" if "expected" in problem else (f": expected a JSON object with numbers "
+                                                     f"{', '.join(REQUIRED_KEYS)} and a list `mem` of one "
+                                                     "object per rank")
+            raise ShowError(f"{metrics} line {number} is not a step record ({problem}){shape}")
         records.append(rec)
     return records
 
 
 def _record_problem(rec: Any) -> str | None:
     """What makes `rec` unusable as a step record, checked up front so a bad value is an error naming
-    the line rather than a traceback from deep inside the table or a plot."""
+    the line and the field rather than a traceback from deep inside the table or a plot."""
     if not isinstance(rec, dict):
         return f"a JSON {type(rec).__name__}"
-    missing = [k for k in REQUIRED_KEYS if k not in rec]
-    if missing:
-        return f"missing {', '.join(missing)}"
-    wrong = [k for k in REQUIRED_KEYS if isinstance(rec[k], bool) or not isinstance(rec[k], (int, float))]
-    if wrong:
-        return f"not a number: {', '.join(wrong)}"
-    mem = rec.get("mem", [])
-    if not isinstance(mem, list) or not all(isinstance(m, dict) for m in mem):
-        return "mem is not a list of objects"
-    return None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ShowError(f"{path} cannot be read as JSON ({exc}): expected the run's result object") from None
-    if not isinstance(data, dict):
-        raise ShowError(f"{path} is not a JSON object: expected the run's result object")
-    return data
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}  # written by every launch; only hand-made folders lack it, and it only names the layout
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ShowError(f"{path} cannot be read as YAML ({exc}): expected the run's resolved config") from None
-    return data if isinstance(data, dict) else {}
+    return runfiles.problem(runfiles.StepRecord, rec)
 
 
 def run_status(run_dir: Path, result: dict[str, Any] | None) -> str:
@@ -176,8 +143,8 @@ def run_status(run_dir: Path, result: dict[str, Any] | None) -> str:
 def load_run(path: Path) -> RunView:
     metrics = _check_run_dir(path)
     records = read_records(metrics)
-    result = _read_json(path / "result.json")
-    return RunView(path, records, result, _read_config(path / "config.yaml"), run_status(path, result))
+    result = read_result(path / "result.json")
+    return RunView(path, records, result, read_config(path / "config.yaml"), run_status(path, result))
 
 
 # ---- describing -----------------------------------------------------------------------------------------
@@ -318,9 +285,24 @@ def plot_series(runs: list[RunView], key: str, ylabel: str, title: str, path: Pa
     if speed:
         title += " (○ = memory tracker on, slower)"
     ax.set(xlabel="step", ylabel=ylabel, title=title)
+    step_axis(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def step_axis(ax: Any) -> None:
+    """Ticks on whole steps only (matplotlib's default puts 1.5 between steps 1 and 2)."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def constant_range(ax: Any, values: list[float]) -> None:
+    """A panel whose values never change (all-zero gradients between steps, parameters that stay put)
+    gets the range 0 … a quarter above the value: autoscaling would stretch a flat line over the whole
+    panel with ticks like ±0.04, which reads as data."""
+    if values and max(values) - min(values) <= 1e-9 * max(1.0, abs(max(values))):
+        top = max(values)
+        ax.set_ylim(0, top * 1.25 if top > 0 else 1)
 
 
 def plot_memory(runs: list[RunView], path: Path) -> Path:
@@ -333,14 +315,18 @@ def plot_memory(runs: list[RunView], path: Path) -> Path:
     fig = Figure(figsize=(4.2 * cols, 3.2 * rows + 0.6))
     for i, category in enumerate(present):
         ax = fig.add_subplot(rows, cols, i + 1)
+        values = []
         for run, style in zip(runs, _styles(len(runs))):
             world = max((len(r.get("mem") or []) for r in run.records), default=0)
             for rank in range(world):
                 points = [(r["step"], r["mem"][rank].get(category, 0) / _MIB) for r in run.records
                           if len(r.get("mem") or []) > rank]
+                values += [y for _, y in points]
                 ax.plot(*zip(*points), **style, alpha=0.8, linewidth=1.2,
                         label=f"{run.label}, {world} rank{'s' * (world != 1)}" if rank == 0 else None)
         ax.set(title="total at the peak" if category == "peak" else category, xlabel="step", ylabel="MiB")
+        step_axis(ax)
+        constant_range(ax, values)
         ax.grid(alpha=0.3)
     fig.suptitle("per-rank memory by category at each rank's step peak (one line per rank)")
     handles, labels = fig.axes[0].get_legend_handles_labels() if fig.axes else ([], [])

@@ -12,22 +12,34 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+# No machine's memory comes near an exabyte: a larger size is a typo (and 1e400GiB would not even be a
+# number), refused rather than planned or budgeted with.
+MAX_BYTES = 2**60
+_UNIT_HELP = "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 300MiB"
+
+
 def parse_bytes(value: int | float | str) -> int:
-    """Parse "300MiB", "2GB", "1.5 GiB" or a plain number of bytes; decimal units are powers of 1000."""
+    """Parse "300MiB", "2GB", "1.5 GiB" or a plain number of bytes; decimal units are powers of 1000.
+    ValueError for anything else, a negative size, or one beyond MAX_BYTES (1 EiB)."""
     if isinstance(value, bool):
         raise ValueError(f"expected a size such as 300MiB or 2GB, got {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative (got {value})")
-        return int(value)
-    match = _PATTERN.match(str(value))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"cannot read {value!r} as a size; write a number with one of the units "
-            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 300MiB"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
+        size = value  # an int stays exact (float() of a 400-digit int would overflow)
+    else:
+        match = _PATTERN.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a size; write a number with one of the units {_UNIT_HELP}")
+        size = float(match.group(1)) * _UNITS[unit]  # a float: 1e400 reads as inf, caught below
+    if size != size:  # NaN
+        raise ValueError(f"{value!r} is not a size; write a number with one of the units {_UNIT_HELP}")
+    if size < 0:
+        raise ValueError(f"a size cannot be negative (got {value})")
+    if size > MAX_BYTES:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}… ({len(repr(value))} characters)"
+        raise ValueError(f"{shown} is larger than any machine's memory (the limit is 1 EiB = 1024 PiB); "
+                         "write a size such as 80GiB")
+    return int(value) if isinstance(value, int) else int(size)
 
 
 def fmt_bytes(n: int | float | None) -> str:

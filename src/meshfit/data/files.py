@@ -202,6 +202,16 @@ def tokenize_text(
     return np.concatenate([np.asarray(enc.ids, dtype=dtype) for enc in tok.encode_batch(texts)])
 
 
+def tokenizer_note(tokenizer: str, vocab_size: int) -> str | None:
+    """A `note:` line when the settings make the BPE tokenizer learn nothing: its 256 byte symbols come
+    first, so a vocabulary of 256 leaves no room for a merge and it tokenizes byte by byte."""
+    if tokenizer == "bpe" and vocab_size == 256:
+        return ("note: data.tokenizer=bpe with model.vocab_size=256 learns no merges (the 256 byte symbols fill "
+                "the vocabulary), so every byte is one token, as with data.tokenizer=byte; raise "
+                "model.vocab_size for merges")
+    return None
+
+
 def _text_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]

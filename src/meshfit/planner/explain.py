@@ -6,6 +6,7 @@ import dataclasses
 
 from meshfit.models.config import num_params
 from meshfit.planner.estimate import MemoryEstimate, estimate_memory, usable_bytes
+from meshfit.planner.hardware import device_noun, is_cpu
 from meshfit.planner.layout import Layout
 from meshfit.planner.precision import state_bytes
 from meshfit.planner.search import Candidate, Plan
@@ -44,20 +45,17 @@ def _line(c: Candidate | None, usable: float) -> str:
 def _states_section(plan: Plan, usable: float) -> list[str]:
     wl, n = plan.workload, num_params(plan.model)
     w, g, k = state_bytes(wl.precision, wl.optimizer)
-    world = plan.cluster.world_size
+    world, ranks = plan.cluster.world_size, device_noun(plan.cluster.gpu)
     # DDP with b sequences per rank and forward, without accumulation: b = 1 here, 2 and 4 below.
     ddp, *bigger = [estimate_memory(plan.model, Layout(dp_replicate=world, micro_batch=b),
                                     dataclasses.replace(wl, global_batch=world * b)) for b in (1, 2, 4)]
     lines = [
         f"Model: {plan.model_name}, {fmt_count(n)} parameters. Precision {wl.precision} with {wl.optimizer}: "
         f"{w} B weights + {g} B gradients + {k} B optimizer states = {w + g + k} B per parameter, i.e. "
-        f"{fmt_bytes(n * (w + g + k))} of model states for one full replica. Each "
-        f"{plan.cluster.gpu.name} has {fmt_bytes(plan.cluster.gpu.memory_bytes)}, of which the planner lets "
-        f"tensors use {fmt_bytes(usable)} (the rest goes to the CUDA context, communication buffers and "
-        f"allocator fragmentation).",
+        f"{fmt_bytes(n * (w + g + k))} of model states for one full replica. {_memory_words(plan, usable)}",
         "",
-        f"Why plain DDP does not work: every one of the {world} GPUs holds that full replica, so adding GPUs "
-        f"adds no memory per model. With one sequence of {wl.seq_len} tokens per forward, one rank's peak "
+        f"Why plain DDP does not work: every one of the {world} {ranks} holds that full replica, so adding "
+        f"{ranks} adds no memory per model. With one sequence of {wl.seq_len} tokens per forward, one rank's peak "
         f"(at the {ddp.phase} phase) is {_parts(ddp)} — it {_verdict(ddp, usable)}."
         + (" Model states alone exceed the device." if n * (w + g + k) > usable else ""),
     ]
@@ -71,6 +69,16 @@ def _states_section(plan: Plan, usable: float) -> list[str]:
               f"{fmt_bytes(bigger[0].total)}, micro-batch 4 {fmt_bytes(bigger[1].total)} per rank. Larger "
               "batches buy throughput only once the model states are sharded or split."]
     return lines
+
+
+def _memory_words(plan: Plan, usable: float) -> str:
+    gpu = plan.cluster.gpu
+    if is_cpu(gpu):
+        return (f"Each CPU rank has a budget of {fmt_bytes(gpu.memory_bytes)} (--gpu-memory, as train.memory_budget) "
+                "for its tracked tensors, all of it usable.")
+    return (f"Each {gpu.name} has {fmt_bytes(gpu.memory_bytes)}, of which the planner lets tensors use "
+            f"{fmt_bytes(usable)} (the rest goes to the CUDA context, communication buffers and allocator "
+            "fragmentation).")
 
 
 def _technique_section(plan: Plan, usable: float) -> list[str]:
@@ -148,7 +156,8 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
         closest = plan.candidates[0] if plan.candidates else None
         lines.append("Recommendation: nothing fits this cluster. " + (
             f"The closest is {closest.layout.describe()} at {fmt_bytes(closest.memory.total)} per rank: add "
-            "GPUs, use GPUs with more memory, or shorten the sequence." if closest else ""))
+            + ("ranks, give each a larger budget" if is_cpu(plan.cluster.gpu) else "GPUs, use GPUs with more memory")
+            + ", or shorten the sequence." if closest else ""))
         return lines
     t = best.time
     lines.append(f"Recommended: {best.layout.describe()}")

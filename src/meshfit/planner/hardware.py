@@ -109,6 +109,35 @@ def cpu_device(memory_bytes: int, profile: HardwareProfile | None) -> GPU:
     return dataclasses.replace(device_from_profile(profile, memory_bytes), name=CPU, allocator_headroom=0.0)
 
 
+def is_cpu(gpu: GPU) -> bool:
+    """CPU ranks as `meshfit train` runs them (`--gpu cpu`), not an accelerator."""
+    return gpu.name == CPU
+
+
+def device_noun(gpu: GPU, count: int = 2) -> str:
+    """How output names `count` of the cluster's devices: GPU(s), or CPU rank(s)."""
+    noun = "CPU rank" if is_cpu(gpu) else "GPU"
+    return noun if count == 1 else noun + "s"
+
+
+def headroom_words(gpu: GPU) -> str:
+    """What the planner keeps from a device's memory, and why (CPU ranks: nothing)."""
+    if is_cpu(gpu):
+        return "on CPU ranks the budget counts tracked tensor bytes, as train.memory_budget does: no headroom"
+    return "the planner's headroom for the CUDA context, communication buffers and fragmentation taken off"
+
+
+def mfu_basis(gpu: GPU) -> str:
+    """What a plan's MFU on `gpu` is relative to: a datasheet peak, or a rate measured on this machine
+    (then a layout that loses little to communication and bubbles reads near 100%)."""
+    if gpu.profile is None:
+        return "the datasheet's dense peak FLOP/s"
+    if gpu.profile.model_flops is not None:
+        return ("this machine's measured training rate of the calibrated model (`meshfit calibrate --model`), "
+                "not a hardware peak")
+    return "this machine's measured matmul rate (`meshfit calibrate`), not a hardware peak"
+
+
 def device_from_profile(profile: HardwareProfile, memory_bytes: int) -> GPU:
     """A device whose rates are those ``profile`` measured (peaks = measured rates, no efficiency)."""
     # The link fields are informational here: the time model asks the profile for every collective.

@@ -212,6 +212,11 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
     if leader:
         for line in [*lines, banner(cfg, shape, run_dir, world, start_step)]:
             print(line, file=sys.stderr, flush=True)
+    if leader and cfg.data.source == "text":
+        from meshfit.data.files import tokenizer_note
+
+        if note := tokenizer_note(cfg.data.tokenizer, shape.model.vocab_size):
+            print(note, file=sys.stderr, flush=True)
     since = time.time()
     if removed:
         preflight.clear(removed)
