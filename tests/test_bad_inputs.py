@@ -272,7 +272,8 @@ RUN_DIR = [
          "step-00000002 (the latest)", "--resume --run-dir"),
     case("resume-from-missing", "train --resume-from {ws}/nope --run-dir {ws}/r", "--resume-from",
          "does not exist", "step-N"),
-    case("resume-from-a-corrupt-shard", "train --resume-from {damaged}/checkpoints/step-00000002 --run-dir {ws}/r",
+    case("resume-from-a-corrupt-shard", f"train {TINY} --resume-from {{damaged}}/checkpoints/step-00000002 "
+         "--run-dir {ws}/r",
          "--resume-from", "step-00000002/__0_0.distcp is corrupt", "SHA-256", "!meshfit train:"),
     case("resume-every-checkpoint-damaged", f"train {TINY} --resume --run-dir {{all_damaged}}",
          "--resume: no intact checkpoint", "step-00000001/__0_0.distcp", "step-00000002/__0_0.distcp",

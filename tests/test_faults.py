@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_jobs import PARITY_BASE, nonfinite_cases_job, parity_config
+from dist_jobs import PARITY_BASE, nonfinite_cases_job, parity_config, train_job
 from meshfit.config import ConfigError, load_config
 from meshfit.testing import run_ranks, snapshot
 from meshfit.train import checkpoint_store as store
@@ -166,7 +166,8 @@ def test_a_damaged_checkpoint_is_moved_aside_named_and_never_written_over(tmp_pa
                                                                          capfd: pytest.CaptureFixture) -> None:
     """2 ranks; one flipped byte in rank 1's shard of the newest checkpoint (step 6). The resume names the
     file, moves the whole checkpoint (rank 0's intact shard too) to checkpoints/damaged/ with its bytes as
-    they were, starts from step 4 (and its banner says so) and saves steps 6 and 8 in new folders."""
+    they were, starts from step 4 (and its banner says so) and saves steps 6 and 8 in new folders. Ranks
+    that choose without the launcher (as after a restart) do the same; a damaged pinned one is refused."""
     base = [*PARITY_BASE, "train.steps=6", "checkpoint.interval=2", "parallel.dp_shard=2"]
     assert launch(load_config(None, base), tmp_path, 2).ok
     latest = tmp_path / "checkpoints" / "step-00000006"
@@ -187,12 +188,18 @@ def test_a_damaged_checkpoint_is_moved_aside_named_and_never_written_over(tmp_pa
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == damaged
     assert [store.verify(tmp_path / "checkpoints" / f"step-0000000{n}")["step"] for n in (6, 8)] == [6, 8]
     assert not (tmp_path / "checkpoints" / "superseded").exists()  # not shelved: kept whatever keep_latest
+    # Ranks that choose for themselves (restarted ones, no launcher check) move a damaged one aside alike.
     newest = tmp_path / "checkpoints" / "step-00000008"
+    (newest / "__0_0.distcp").write_bytes(b"damaged")
+    ranks = run_ranks(train_job, 2, parity_config(*base[len(PARITY_BASE):], "train.steps=10",
+                                                  "checkpoint.resume=true"), str(tmp_path), timeout_s=200)
+    assert ranks[0]["start_step"] == 6 and (tmp_path / "checkpoints" / "damaged" / "step-00000008").is_dir()
+    newest = tmp_path / "checkpoints" / "step-00000010"
     marker = newest / store.MARKER
     marker.write_text(marker.read_text()[:40])  # a damaged marker, pinned: an error, no fallback
     before = snapshot(tmp_path)
     with pytest.raises(ConfigError, match=f"checkpoint file {marker} is corrupt"):  # before any rank starts
-        launch(load_config(None, [*base, "train.steps=10", f"checkpoint.resume_from={newest}"]), tmp_path, 2)
+        launch(load_config(None, [*base, "train.steps=12", f"checkpoint.resume_from={newest}"]), tmp_path, 2)
     assert snapshot(tmp_path) == before
 
 

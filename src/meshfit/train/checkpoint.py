@@ -199,7 +199,7 @@ class Checkpointer:
                 folder, marker, damaged = store.pick(self.root, pinned, store.trusted_by_launcher())
                 choice = [str(folder) if folder else None, marker, ""]
             except CheckpointError as exc:
-                folder, damaged, choice = None, [], [None, None, str(exc)]
+                damaged, choice = [], [None, None, str(exc)]
             if damaged:  # a restarted run (the launcher moves what it finds damaged before any rank starts)
                 for line in store.set_aside_damaged(self.root, damaged, folder):
                     _say(0, line)
