@@ -4,7 +4,8 @@ A run directory holds one run: config.yaml, metrics.jsonl, result.json, checkpoi
 tensorboard/, warnings.log). A new run into a directory that holds another run's files is refused unless
 the user says `--resume` (continue it) or `--overwrite` (replace it); a resume is checked against the
 checkpoint it would load (every file against its SHA-256, then model and batch shape from its marker), so a
-refused start changes nothing on disk and the ranks load what was checked. Schedule keys changed at a resume are named here, once, before any rank starts.
+refused start changes nothing on disk and the ranks load what was checked. Schedule keys changed at a
+resume are named here, once, before any rank starts.
 """
 
 from __future__ import annotations
