@@ -25,6 +25,7 @@ from meshfit.config import load_config
 from meshfit.testing import snapshot
 
 TINY = "--set model.preset=tiny --set train.steps=2 --set train.seq_len=32"
+BPE = "--set model.vocab_size=270 --set data.source=text --set data.tokenizer=bpe"
 PIPE = "--nproc 2 --set parallel.pp=2 --set train.global_batch=2"
 SMALL_PLAN = "plan --model tiny --gpus-per-node 2 --seq-len 64"
 # Names of meshfit's and pydantic's internals that a user never typed.
@@ -58,6 +59,7 @@ def _workspace(ws: Path) -> None:
     np.save(ws / "short.npy", np.arange(10, dtype=np.uint16))
     np.arange(10, dtype=np.uint8).tofile(ws / "odd.bin")
     (ws / "short.txt").write_text("hello\n")
+    (ws / "sentence.txt").write_text("hello world, this is a short text. ")  # 35 bytes, 18 BPE tokens (270)
     (ws / "nonempty").mkdir()
     (ws / "nonempty" / "config.json").write_text('{"mine": true}\n')
     (ws / "demo").mkdir()
@@ -215,6 +217,11 @@ DATA = [
          "short.npy", "has 10 tokens", "train.seq_len + 1 = 33"),
     case("data-text-too-short", f"train {TINY} --set data.source=text --set data.path={{ws}}/short.txt",
          "short.txt", "6 tokens", "train.seq_len + 1 = 33", "!token array"),
+    case("data-bpe-text-fewer-bytes-than-a-sequence", f"train {TINY} {BPE} --set data.path={{ws}}/short.txt "
+         "--run-dir {ws}/r", "short.txt", "at most 6 tokens with data.tokenizer=bpe", "train.seq_len + 1 = 33"),
+    case("data-bpe-text-fewer-tokens-than-a-sequence", f"train {TINY} {BPE} --set data.path={{ws}}/sentence.txt "
+         "--run-dir {ws}/r", "sentence.txt", "gives 18 tokens with data.tokenizer=bpe", "train.seq_len + 1 = 33",
+         "!meshfit train:"),
     case("data-text-folder-without-txt", "train --set data.source=text --set data.path={ws}/adir", "adir",
          "no .txt files"),
     case("data-tokens-wrong-extension", "train --set data.source=tokens --set data.path={ws}/short.txt",
@@ -273,6 +280,12 @@ RUN_DIR = [
          "step-00000002 (the latest)", "--resume --run-dir"),
     case("resume-from-missing", "train --resume-from {ws}/nope --run-dir {ws}/r", "--resume-from",
          "does not exist", "step-N"),
+    case("resume-from-a-corrupt-shard", f"train {TINY} --resume-from {{damaged}}/checkpoints/step-00000002 "
+         "--run-dir {ws}/r",
+         "--resume-from", "step-00000002/__0_0.distcp is corrupt", "SHA-256", "!meshfit train:"),
+    case("resume-every-checkpoint-damaged", f"train {TINY} --resume --run-dir {{all_damaged}}",
+         "--resume: no intact checkpoint", "step-00000001/__0_0.distcp", "step-00000002/__0_0.distcp",
+         "!meshfit train:"),
     case("resume-from-a-file", "train --resume-from {ws}/afile --run-dir {ws}/r", "--resume-from", "is a file"),
     case("checkpoint-dir-is-a-file", "train --set checkpoint.dir={ws}/afile", "checkpoint.dir", "is a file"),
     case("max-restarts-negative", "train --max-restarts -1", "--max-restarts", "≥ 0"),
@@ -402,6 +415,16 @@ def test_bad_input_is_one_message(template: str, code: int, needles: tuple[str, 
 def test_out_of_range_value_names_the_field(override: str, field: str, valid: str,
                                             request: pytest.FixtureRequest, ws: Path) -> None:
     _check(f"train --set {override}", 2, (f"{field}", valid, "error:"), request, ws)
+
+
+BEFORE_RANKS = [c for c in ALL if c.id in ("resume-from-a-corrupt-shard", "data-bpe-text-fewer-tokens-than-a-sequence")]
+
+
+@pytest.mark.parametrize("template, code, needles", BEFORE_RANKS)
+def test_damaged_checkpoints_and_short_bpe_text_are_one_line_before_any_rank_starts(
+        template: str, code: int, needles: tuple[str, ...], request: pytest.FixtureRequest, ws: Path) -> None:
+    text = _check(template, code, needles, request, ws)
+    assert text.count("\n") == 1 and text.startswith("error: "), text  # no banner, no rank's report
 
 
 def test_grad_clip_zero_means_no_clipping_and_is_accepted() -> None:

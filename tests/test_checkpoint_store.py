@@ -57,9 +57,50 @@ def test_a_damaged_file_is_named_and_the_previous_checkpoint_is_used(tmp_path: P
 def test_a_corrupt_marker_is_named_and_no_intact_checkpoint_is_an_error(tmp_path: Path) -> None:
     folder = _checkpoint(tmp_path, 3)
     (folder / store.MARKER).write_text('{"step": 3, "fi')
-    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=f"{folder / store.MARKER}.*corrupt"):
+    with pytest.raises(CheckpointError, match=f"no intact checkpoint.*\n.*{folder / store.MARKER}.*corrupt"):
         store.choose(tmp_path)
     assert store.choose(tmp_path / "empty") == (None, None)
+
+
+def test_damaged_checkpoints_a_resume_skips_move_aside_and_nothing_is_written_over(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 2)
+    for step in (4, 6):
+        (_checkpoint(tmp_path, step) / "__0_0.distcp").write_bytes(b"flipped")
+    earlier = tmp_path / store.DAMAGED / "step-00000006"  # set aside by an earlier resume
+    earlier.mkdir(parents=True)
+    (earlier / "kept").write_text("earlier")
+    folder, marker, damaged = store.pick(tmp_path)
+    assert folder.name == "step-00000002" and marker["step"] == 2
+    assert [(f.name, "is truncated or damaged" in why) for f, why in damaged] == [("step-00000006", True),
+                                                                               ("step-00000004", True)]
+    lines = store.set_aside_damaged(tmp_path, damaged, folder)
+    shelf = tmp_path / store.DAMAGED
+    assert sorted(p.name for p in shelf.iterdir()) == ["step-00000004", "step-00000006", "step-00000006.1"]
+    assert (earlier / "kept").read_text() == "earlier"
+    assert (shelf / "step-00000006.1" / "__0_0.distcp").read_bytes() == b"flipped"
+    assert lines[0].startswith("warning: skipped the damaged checkpoint step-00000006 (checkpoint file ")
+    assert lines[0].endswith(f"resuming from step-00000002; moved it to {shelf / 'step-00000006.1'} "
+                             "(kept, never resumed from)")
+    assert [p.name for p in store.complete_checkpoints(tmp_path)] == ["step-00000002"]
+    # Pruning and setting aside newer checkpoints leave the damaged ones alone.
+    store.prune(tmp_path, 2, folder)
+    store.set_aside_newer(tmp_path, 1, keep=2)
+    assert sorted(p.name for p in shelf.iterdir()) == ["step-00000004", "step-00000006", "step-00000006.1"]
+
+
+def test_a_checkpoint_the_launcher_verified_is_not_hashed_again_unless_its_marker_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = _checkpoint(tmp_path, 2)
+    monkeypatch.setenv(store.VERIFIED_ENV, store.launcher_token(folder))
+    trusted = store.trusted_by_launcher()
+    assert trusted == (folder, store.digest(folder / store.MARKER)["sha256"])
+    (folder / "__0_0.distcp").write_bytes(b"changed after the launcher's check")
+    assert store.verify(folder, trusted)["step"] == 2  # the files are not read again
+    with pytest.raises(CheckpointError, match="__0_0.distcp"):
+        store.verify(folder)
+    store.write_marker(folder, {"step": 2, "other": True}, store.read_marker(folder)["files"])
+    with pytest.raises(CheckpointError, match="__0_0.distcp"):  # another marker: checked in full
+        store.verify(folder, trusted)
 
 
 def test_prune_keeps_the_newest_and_drops_interrupted_saves(tmp_path: Path) -> None:

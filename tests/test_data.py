@@ -12,6 +12,7 @@ from meshfit.data import (
     DataError,
     MarkovSource,
     TokenBatches,
+    check_files,
     load_token_file,
     make_source,
     tokenize_text,
@@ -278,6 +279,32 @@ def test_bpe_needs_enough_text_for_the_vocab(tmp_path):
     (tmp_path / "tiny.txt").write_text("ab ab ab")
     with pytest.raises(DataError, match="tiny.txt: BPE training .* vocab_size=1000"):
         tokenize_text(tmp_path / "tiny.txt", "bpe", vocab_size=1000)
+
+
+def test_bpe_text_length_is_checked_before_training_without_writing_anything(tmp_path, monkeypatch):
+    """A text with enough words is accepted without training the tokenizer (BPE gives at least one token
+    per word); one with few words is tokenized in memory and its real token count decides."""
+    import meshfit.data.files as files
+
+    corpus, long_word, sentence = tmp_path / "corpus.txt", tmp_path / "word.txt", tmp_path / "sentence.txt"
+    corpus.write_text(_generated_text())
+    long_word.write_text("".join(np.random.default_rng(0).choice(list("abcdefghijklmnopqrstuvwxyz"), 200)))
+    sentence.write_text("hello world, this is a short text. ")
+    words = len(corpus.read_bytes().split())
+    trained = []
+    real = files.tokenize_text
+    monkeypatch.setattr(files, "tokenize_text", lambda *a, **k: trained.append(a[0]) or real(*a, **k))
+    check_files("text", corpus, words - 1, "bpe", vocab_size=400)
+    assert trained == []  # settled by its words
+    counted = len(real(corpus, "bpe", 400))
+    check_files("text", corpus, counted - 1, "bpe", vocab_size=400)  # fewer words than that: trained
+    with pytest.raises(DataError, match=f"corpus.txt: gives {counted} tokens with data.tokenizer=bpe"):
+        check_files("text", corpus, counted, "bpe", vocab_size=400)
+    check_files("text", long_word, 64, "bpe", vocab_size=260)  # one word, yet 191 tokens
+    with pytest.raises(DataError, match=r"gives 18 tokens .* train.seq_len \+ 1 = 33"):
+        check_files("text", sentence, 32, "bpe", vocab_size=270)
+    assert trained == [corpus, corpus, long_word, sentence] and sorted(tmp_path.iterdir()) == sorted(
+        [corpus, long_word, sentence])  # nothing written (no tokenizer cache)
 
 
 # ---------------------------------------------------------------- make_source

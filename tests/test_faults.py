@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_jobs import PARITY_BASE, nonfinite_cases_job, parity_config
+from dist_jobs import PARITY_BASE, nonfinite_cases_job, parity_config, train_job
 from meshfit.config import ConfigError, load_config
 from meshfit.testing import run_ranks, snapshot
 from meshfit.train import checkpoint_store as store
@@ -161,26 +161,45 @@ def test_kills_during_saves_never_leave_an_incomplete_checkpoint_to_resume(tmp_p
     assert _losses(run_dir) == reference.result["losses"]
 
 
-def test_a_damaged_checkpoint_falls_back_unless_pinned(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
-    base = [*PARITY_BASE, "train.steps=6", "checkpoint.interval=2"]
-    assert launch(load_config(None, base), tmp_path).ok
+@pytest.mark.timeout(240)
+def test_a_damaged_checkpoint_is_moved_aside_named_and_never_written_over(tmp_path: Path,
+                                                                         capfd: pytest.CaptureFixture) -> None:
+    """2 ranks; one flipped byte in rank 1's shard of the newest checkpoint (step 6). The resume names the
+    file, moves the whole checkpoint (rank 0's intact shard too) to checkpoints/damaged/ with its bytes as
+    they were, starts from step 4 (and its banner says so) and saves steps 6 and 8 in new folders. Ranks
+    that choose without the launcher (as after a restart) do the same; a damaged pinned one is refused."""
+    base = [*PARITY_BASE, "train.steps=6", "checkpoint.interval=2", "parallel.dp_shard=2"]
+    assert launch(load_config(None, base), tmp_path, 2).ok
     latest = tmp_path / "checkpoints" / "step-00000006"
-    shard = latest / "__0_0.distcp"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+    shard = latest / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    damaged = {p.name: p.read_bytes() for p in latest.iterdir()}
     capfd.readouterr()
-    resumed = launch(load_config(None, [*base, "train.steps=8", "checkpoint.resume=true"]), tmp_path)
+    resumed = launch(load_config(None, [*base, "train.steps=8", "checkpoint.resume=true"]), tmp_path, 2)
     assert resumed.ok and resumed.result["start_step"] == 4
     err = capfd.readouterr().err
-    assert f"checkpoint file {shard} is truncated" in err
-    # The damaged step 6 is off the resumed run's timeline: set aside, and said so.
-    assert "set aside the checkpoints step-00000006" in err
-    assert (tmp_path / "checkpoints" / "superseded" / "step-00000006").is_dir()
-    newest = tmp_path / "checkpoints" / "step-00000008"  # written by the resumed run
+    aside = tmp_path / "checkpoints" / "damaged" / "step-00000006"
+    assert (f"warning: skipped the damaged checkpoint step-00000006 (checkpoint file {shard} is corrupt: its "
+            f"SHA-256 differs from the one saved); resuming from step-00000004; moved it to {aside}") in err
+    assert "steps up to 8 from step 5 of 8" in err  # the banner: the step the run really starts at
+    assert {"__0_0.distcp", "__1_0.distcp", store.MARKER} <= set(damaged)
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == damaged
+    assert [store.verify(tmp_path / "checkpoints" / f"step-0000000{n}")["step"] for n in (6, 8)] == [6, 8]
+    assert not (tmp_path / "checkpoints" / "superseded").exists()  # not shelved: kept whatever keep_latest
+    # Ranks that choose for themselves (restarted ones, no launcher check) move a damaged one aside alike.
+    newest = tmp_path / "checkpoints" / "step-00000008"
+    (newest / "__0_0.distcp").write_bytes(b"damaged")
+    ranks = run_ranks(train_job, 2, parity_config(*base[len(PARITY_BASE):], "train.steps=10",
+                                                  "checkpoint.resume=true"), str(tmp_path), timeout_s=200)
+    assert ranks[0]["start_step"] == 6 and (tmp_path / "checkpoints" / "damaged" / "step-00000008").is_dir()
+    newest = tmp_path / "checkpoints" / "step-00000010"
     marker = newest / store.MARKER
     marker.write_text(marker.read_text()[:40])  # a damaged marker, pinned: an error, no fallback
     before = snapshot(tmp_path)
     with pytest.raises(ConfigError, match=f"checkpoint file {marker} is corrupt"):  # before any rank starts
-        launch(load_config(None, [*base, "train.steps=10", f"checkpoint.resume_from={newest}"]), tmp_path)
+        launch(load_config(None, [*base, "train.steps=12", f"checkpoint.resume_from={newest}"]), tmp_path, 2)
     assert snapshot(tmp_path) == before
 
 

@@ -107,19 +107,19 @@ def test_resume_with_no_checkpoint_says_it_starts_at_step_0(tmp_path: Path, capf
 
 def test_a_failed_start_changes_nothing_and_a_failure_after_it_says_failed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every checkpoint damaged: the resume fails on the rank before training begins, and config.yaml,
-    metrics.jsonl, result.json and the checkpoints are as they were (only the failure report is new).
-    A run that fails after its first step records `"status": "failed"` in result.json."""
+    """Every checkpoint damaged: the resume is refused before any rank starts, naming each damaged file,
+    and nothing on disk changes (no checkpoint is moved, no report written). A run that fails after its
+    first step records `"status": "failed"` in result.json."""
     base = [*PARITY_BASE, "train.steps=4", "checkpoint.interval=2"]
     assert launch(load_config(None, base), tmp_path).ok
-    for shard in (tmp_path / "checkpoints").glob("step-*/__0_0.distcp"):
+    shards = sorted((tmp_path / "checkpoints").glob("step-*/__0_0.distcp"))
+    for shard in shards:
         shard.write_bytes(b"damaged")
     before = snapshot(tmp_path)
-    outcome = launch(load_config(None, [*base, "train.steps=6", "checkpoint.resume=true"]), tmp_path)
-    assert not outcome.ok and "no intact checkpoint to resume from" in outcome.message
-    after = snapshot(tmp_path)
-    assert {k for k in after if not k.startswith("failures/")} == set(before)
-    assert all(after[k] == before[k] for k in before)
+    with pytest.raises(ConfigError, match="--resume: no intact checkpoint to resume from") as refused:
+        launch(load_config(None, [*base, "train.steps=6", "checkpoint.resume=true"]), tmp_path)
+    assert all(f"checkpoint file {shard} is truncated or damaged" in str(refused.value) for shard in shards)
+    assert snapshot(tmp_path) == before
     monkeypatch.setenv("MESHFIT_FAULT", "inf-loss:rank=0:step=2")
     outcome = launch(load_config(None, [*base, "train.steps=3"]), tmp_path / "failing")
     assert not outcome.ok and "rank 0" in outcome.message

@@ -43,10 +43,10 @@ def load_token_file(path: str | os.PathLike, vocab_size: int, dtype: str | None 
 
 
 def check_files(source: str, path: str | os.PathLike, seq_len: int, tokenizer: str = "byte",
-                token_dtype: str | None = None) -> None:
-    """What can be known of data files before training, cheaply: they exist and have the right form, and
-    hold at least one sequence (``seq_len + 1`` tokens; not known for BPE before it is trained). DataError
-    naming the file otherwise. Token ids are range-checked when the ranks load the file."""
+                token_dtype: str | None = None, vocab_size: int | None = None) -> None:
+    """What can be known of data files before training: they exist and have the right form, and hold at
+    least one sequence (``seq_len + 1`` tokens). DataError naming the file otherwise. Token ids are
+    range-checked when the ranks load the file."""
     path = Path(path)
     need = f"one sequence needs train.seq_len + 1 = {seq_len + 1}"
     if source == "tokens":
@@ -59,10 +59,31 @@ def check_files(source: str, path: str | os.PathLike, seq_len: int, tokenizer: s
         if file.stat().st_size == 0:
             raise DataError(f"{file}: text file is empty; it needs at least one character")
     count = sum(file.stat().st_size for file in files)  # byte tokenizer: one token per byte
-    if tokenizer == "byte" and count < seq_len + 1:
+    if count < seq_len + 1:  # BPE: at most one token per byte too
         held = f"its .txt files hold {count} bytes" if path.is_dir() else f"has {count} bytes"
-        raise DataError(f"{path}: {held}, i.e. {count} tokens with data.tokenizer=byte; {need} (use more "
-                        "text or a shorter train.seq_len)")
+        most = "" if tokenizer == "byte" else "at most "
+        raise DataError(f"{path}: {held}, i.e. {most}{count} tokens with data.tokenizer={tokenizer}; {need} "
+                        "(use more text or a shorter train.seq_len)")
+    if tokenizer == "bpe" and not _words_at_least(files, seq_len + 1):
+        # Few words: the BPE token count decides; train the tokenizer here (in memory, as each rank would).
+        count = len(tokenize_text(path, "bpe", vocab_size or 0))
+        if count < seq_len + 1:
+            raise DataError(f"{path}: gives {count} tokens with data.tokenizer=bpe (vocab_size {vocab_size}); "
+                            f"{need} (use more text or a shorter train.seq_len)")
+
+
+def _words_at_least(files: list[Path], need: int) -> bool:
+    """The files hold at least `need` whitespace-separated words. BPE never merges across whitespace
+    between words (its pre-tokenizer splits there), so it gives at least one token per word: enough words
+    settle the length without training the tokenizer. Reads only until `need` words are found."""
+    count = 0
+    for file in files:
+        with open(file, "rb") as handle:
+            for line in handle:
+                count += len(line.split())
+                if count >= need:
+                    return True
+    return False
 
 
 def _open_token_file(path: Path, dtype: str | None) -> np.ndarray:

@@ -15,7 +15,6 @@ import re
 import shutil
 import sys
 import time
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -203,19 +202,18 @@ class Checkpointer:
         return step
 
     def _choose(self) -> tuple[Path | None, dict[str, Any] | None, str]:
-        # Rank 0 checks the files once and tells the others what to load.
+        # Rank 0 checks the files once (unless the launcher just did) and tells the others what to load.
         choice: list[Any] = [None, None, ""]
         if self.rank == 0:
             pinned = Path(self.section.resume_from) if self.section.resume_from else None
             try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    folder, marker = store.choose(self.root, pinned) if self.root or pinned else (None, None)
-                for warning in caught:
-                    _say(0, f"warning: {warning.message}")
+                folder, marker, damaged = store.pick(self.root, pinned, store.trusted_by_launcher())
                 choice = [str(folder) if folder else None, marker, ""]
             except CheckpointError as exc:
-                choice = [None, None, str(exc)]
+                damaged, choice = [], [None, None, str(exc)]
+            if damaged:  # a restarted run (the launcher moves what it finds damaged before any rank starts)
+                for line in store.set_aside_damaged(self.root, damaged, folder):
+                    _say(0, line)
         dist.broadcast_object_list(choice, src=0)
         return (Path(choice[0]) if choice[0] else None), choice[1], choice[2]
 

@@ -6,6 +6,9 @@
 `meshfit.json` is written last, atomically, once every rank's files are on disk. It records the step, the
 layout that saved it and every file's size and SHA-256, so a truncated or corrupt file is found and named
 before anything is loaded. A folder without it is an interrupted save and is never resumed from.
+
+A complete checkpoint that a resume skips as damaged is moved to CHECKPOINT_DIR/damaged/ at once: it is
+never resumed from, written over or deleted by meshfit (keep_latest counts only intact checkpoints).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "meshfit.json"
+DAMAGED = "damaged"  # ROOT/damaged/: checkpoints a resume skipped, kept for the user to inspect
+# Set by the launcher for its ranks: the checkpoint it verified ("FOLDER\tMARKER_SHA256"), so rank 0 does
+# not hash the same files again (see `trusted_by_launcher`).
+VERIFIED_ENV = "MESHFIT_VERIFIED_CHECKPOINT"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -67,12 +74,17 @@ def read_marker(folder: Path) -> dict[str, Any]:
     return data
 
 
-def verify(folder: Path) -> dict[str, Any]:
-    """The marker of a complete, intact checkpoint; raises CheckpointError naming the damaged file."""
+def verify(folder: Path, trusted: tuple[Path, str] | None = None) -> dict[str, Any]:
+    """The marker of a complete, intact checkpoint; raises CheckpointError naming the damaged file.
+
+    `trusted` (folder, marker SHA-256): a checkpoint verified moments ago by the launcher; when this is it,
+    with the same marker, only the marker is read."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     marker = read_marker(folder)
+    if trusted is not None and Path(trusted[0]) == folder and digest(folder / MARKER)["sha256"] == trusted[1]:
+        return marker
     for name, expected in marker["files"].items():
         path = folder / name
         if not path.is_file():
@@ -84,6 +96,17 @@ def verify(folder: Path) -> dict[str, Any]:
         if digest(path)["sha256"] != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {path} is corrupt: its SHA-256 differs from the one saved")
     return marker
+
+
+def trusted_by_launcher() -> tuple[Path, str] | None:
+    """The checkpoint the launcher verified before starting this rank (VERIFIED_ENV), if any."""
+    folder, _, sha = os.environ.get(VERIFIED_ENV, "").partition("\t")
+    return (Path(folder), sha) if folder and sha else None
+
+
+def launcher_token(folder: Path) -> str:
+    """The VERIFIED_ENV value for a checkpoint folder that was just verified."""
+    return f"{Path(folder)}\t{digest(Path(folder) / MARKER)['sha256']}"
 
 
 def step_folders(root: Path) -> list[tuple[int, Path]]:
@@ -100,24 +123,49 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in step_folders(root) if (p / MARKER).is_file()]
 
 
-def choose(root: Path, pinned: Path | None = None) -> tuple[Path | None, dict[str, Any] | None]:
-    """The checkpoint to resume from: `pinned` (it must be intact), else the newest intact complete one.
+def pick(root: Path | None, pinned: Path | None = None, trusted: tuple[Path, str] | None = None
+         ) -> tuple[Path | None, dict[str, Any] | None, list[tuple[Path, str]]]:
+    """The checkpoint to resume from and its marker: `pinned` (it must be intact), else the newest intact
+    complete one under root; and the newer complete ones skipped as damaged, each with what is wrong.
 
-    A damaged checkpoint is skipped with a warning naming the file, falling back to the one before it.
-    Returns (None, None) when there is none; raises CheckpointError when every one is damaged.
-    """
+    Returns (None, None, []) when there is none; raises CheckpointError when every one is damaged (or the
+    pinned one is)."""
     if pinned is not None:
-        return Path(pinned), verify(pinned)
-    problems = []
-    for folder in complete_checkpoints(root):
+        return Path(pinned), verify(pinned, trusted), []
+    damaged: list[tuple[Path, str]] = []
+    for folder in complete_checkpoints(root) if root is not None else []:
         try:
-            return folder, verify(folder)
+            return folder, verify(folder, trusted), damaged
         except CheckpointError as exc:
-            problems.append(str(exc))
-            warnings.warn(f"skipping damaged checkpoint: {exc}; falling back to the previous one", stacklevel=2)
-    if problems:
-        raise CheckpointError("no intact checkpoint to resume from:\n  " + "\n  ".join(problems))
-    return None, None
+            damaged.append((folder, str(exc)))
+    if damaged:
+        raise CheckpointError("no intact checkpoint to resume from:\n  " + "\n  ".join(why for _, why in damaged))
+    return None, None, []
+
+
+def choose(root: Path, pinned: Path | None = None) -> tuple[Path | None, dict[str, Any] | None]:
+    """`pick`, with a warning for each damaged checkpoint skipped."""
+    folder, marker, damaged = pick(root, pinned)
+    for _, why in damaged:
+        warnings.warn(f"skipping damaged checkpoint: {why}; falling back to the previous one", stacklevel=2)
+    return folder, marker
+
+
+def set_aside_damaged(root: Path, damaged: list[tuple[Path, str]], chosen: Path) -> list[str]:
+    """Move the damaged checkpoints a resume skipped (from `pick`) to ROOT/damaged/, a name taken there
+    getting a suffix (nothing is written over); one line for each, naming what is wrong and where it went.
+    Nothing there is pruned: what to do with it is the user's call."""
+    shelf = Path(root) / DAMAGED
+    lines = []
+    for folder, why in damaged:
+        shelf.mkdir(exist_ok=True)
+        target, n = shelf / folder.name, 1
+        while target.exists():
+            target, n = shelf / f"{folder.name}.{n}", n + 1
+        folder.rename(target)
+        lines.append(f"warning: skipped the damaged checkpoint {folder.name} ({why}); resuming from "
+                     f"{chosen.name}; moved it to {target} (kept, never resumed from)")
+    return lines
 
 
 def set_aside_newer(root: Path, step: int, keep: int) -> tuple[list[Path], list[Path]]:

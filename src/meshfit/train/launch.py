@@ -7,6 +7,7 @@ Whatever happens, the caller gets one Outcome: the rank-0 result, or one failure
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -19,10 +20,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from meshfit.config import Config
 from meshfit.jsonfile import json_object_or_none
+from meshfit.train import checkpoint_store as store
 from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
 
@@ -196,8 +199,6 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
     local ranks, restart them all up to that many times after a failure; each restart resumes from the
     latest complete checkpoint."""
     run_dir = Path(run_dir)
-    from meshfit.train.worker import INTERRUPTED, run_worker
-
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (nproc or 1)
     shape = resolve_run(cfg, world)  # raises ConfigError before any rank starts
     resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from is not None
@@ -205,18 +206,43 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
     # cleared); a restart by torchrun (restart count > 0) continues the run it restarts, as a resume.
     leader = not under_torchrun() or int(os.environ.get("RANK", 0)) == 0
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    removed, lines, start_step = [], [], None
+    removed, resume = [], preflight.Resume()
     if leader and not restarted:
         removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
-        lines, start_step = preflight.check_resume(cfg, run_dir, shape.model) if resuming else ([], None)
-    if leader:
-        for line in [*lines, banner(cfg, shape, run_dir, world, start_step)]:
+        resume = preflight.check_resume(cfg, run_dir, shape.model) if resuming else resume
+    if leader:  # every check passed: a damaged checkpoint the resume skips moves aside, named
+        lines = [*resume.lines, *preflight.set_aside_damaged(cfg, run_dir, resume)]
+        for line in [*lines, banner(cfg, shape, run_dir, world, resume.step)]:
             print(line, file=sys.stderr, flush=True)
     if leader and cfg.data.source == "text":
         from meshfit.data.files import tokenizer_note
 
         if note := tokenizer_note(cfg.data.tokenizer, shape.model.vocab_size):
             print(note, file=sys.stderr, flush=True)
+    # The ranks load the checkpoint checked above without hashing its files again.
+    verified = {store.VERIFIED_ENV: store.launcher_token(resume.folder)} if resume.folder else {}
+    with _environ(verified):
+        return _start(cfg, run_dir, nproc, max_restarts, removed)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set (the ranks inherit it), as it was afterwards."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _start(cfg: Config, run_dir: Path, nproc: int | None, max_restarts: int, removed: list[Path]) -> Outcome:
+    from meshfit.train.worker import INTERRUPTED, run_worker
+
     since = time.time()
     if removed:
         preflight.clear(removed)

@@ -3,8 +3,9 @@
 A run directory holds one run: config.yaml, metrics.jsonl, result.json, checkpoints/ (and failures/,
 tensorboard/, warnings.log). A new run into a directory that holds another run's files is refused unless
 the user says `--resume` (continue it) or `--overwrite` (replace it); a resume is checked against the
-checkpoint it would load (model, batch shape) from the checkpoint's marker alone, so a refused start
-changes nothing on disk. Schedule keys changed at a resume are named here, once, before any rank starts.
+checkpoint it would load (every file against its SHA-256, then model and batch shape from its marker), so a
+refused start changes nothing on disk and the ranks load what was checked. Schedule keys changed at a
+resume are named here, once, before any rank starts.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def guard_new_run(cfg: Config, run_dir: Path, resume: bool, overwrite: bool) -> 
                           "--resume, replace it with --overwrite, or choose another --run-dir")
     targets = [path for pattern in (*RUN_FILES, *RUN_EXTRAS) for path in Path(run_dir).glob(pattern)]
     if cfg.checkpoint.dir:  # only the checkpoints in a shared folder, never the folder itself
-        targets += [folder for _, folder in store.step_folders(root)] + [p for p in [root / "superseded"]
-                                                                          if p.exists()]
+        targets += [folder for _, folder in store.step_folders(root)] + [
+            p for p in (root / "superseded", root / store.DAMAGED) if p.exists()]
     return sorted(set(targets))
 
 
@@ -144,37 +145,39 @@ def _check_pinned(folder: Path) -> None:
                               f"{complete[0]} (the latest), or continue the run with --resume --run-dir {run}")
 
 
-def check_resume(cfg: Config, run_dir: Path, model: Any) -> tuple[list[str], int | None]:
-    """Lines to print about what a resume will do, and the step it continues from (None: unknown until
-    the ranks check the files; 0: no checkpoint, a fresh start); raises ConfigError when the checkpoint it would load
-    holds another model or batch shape. Reads only the newest complete checkpoint's marker: its files are
-    checked (and a damaged one skipped) by the ranks."""
-    pinned = cfg.checkpoint.resume_from
+@dataclasses.dataclass
+class Resume:
+    """What a resume will do, decided before any rank starts."""
+
+    lines: list[str] = dataclasses.field(default_factory=list)  # to print before the banner
+    step: int | None = None  # the step it continues from (0: no checkpoint yet, a fresh start)
+    folder: Path | None = None  # the checkpoint it loads, its files verified
+    damaged: list[tuple[Path, str]] = dataclasses.field(default_factory=list)  # skipped: (folder, what is wrong)
+
+
+def check_resume(cfg: Config, run_dir: Path, model: Any) -> Resume:
+    """Choose and verify the checkpoint a resume loads: every file against the SHA-256 in its marker
+    (checkpoint_store.pick), the newest intact one for --resume, the pinned one for --resume-from. Raises
+    ConfigError when that one is damaged (or every one is) or holds another model or batch shape; changes
+    nothing on disk (`set_aside_damaged` does, once every check passed)."""
+    pinned = Path(cfg.checkpoint.resume_from) if cfg.checkpoint.resume_from else None
     if pinned:
-        folder = Path(pinned)
-        _check_pinned(folder)
-        try:
-            marker = store.read_marker(folder)
-        except store.CheckpointError as exc:
-            raise ConfigError(f"--resume-from: {exc}") from None
-    else:
-        root = checkpoint_root(cfg, run_dir)
-        complete = store.complete_checkpoints(root)
-        if not complete:
-            where = "does not exist" if not root.exists() else "holds no complete checkpoint"
-            result = Path(run_dir) / "result.json"
-            if result.is_file() and _result_status(result) == "finished":
-                # A finished run without checkpoints (checkpoint.at_end=false): starting over would replace it.
-                raise ConfigError(f"--resume: {root} {where}, but --run-dir {run_dir} holds a finished run "
-                                  f"({'; '.join(run_contents(run_dir, root))}): there is nothing to continue "
-                                  "from. Replace it with --overwrite, or choose another --run-dir")
-            # An attempt that died before its first checkpoint (a requeued job): its records are kept aside.
-            return [f"--resume: {root} {where}; starting at step 0"], 0
-        folder = complete[0]
-        try:
-            marker = store.read_marker(folder)
-        except store.CheckpointError:
-            return [], None  # damaged marker: the ranks fall back to an older checkpoint and say so
+        _check_pinned(pinned)
+    root = checkpoint_root(cfg, run_dir)
+    try:
+        folder, marker, damaged = store.pick(root, pinned)
+    except store.CheckpointError as exc:
+        raise ConfigError(f"{'--resume-from' if pinned else '--resume'}: {exc}") from None
+    if folder is None:
+        where = "does not exist" if not root.exists() else "holds no complete checkpoint"
+        result = Path(run_dir) / "result.json"
+        if result.is_file() and _result_status(result) == "finished":
+            # A finished run without checkpoints (checkpoint.at_end=false): starting over would replace it.
+            raise ConfigError(f"--resume: {root} {where}, but --run-dir {run_dir} holds a finished run "
+                              f"({'; '.join(run_contents(run_dir, root))}): there is nothing to continue "
+                              "from. Replace it with --overwrite, or choose another --run-dir")
+        # An attempt that died before its first checkpoint (a requeued job): its records are kept aside.
+        return Resume([f"--resume: {root} {where}; starting at step 0"], 0)
     problems = model_differences(marker, model)
     saved_train = marker.get("train", {})
     problems += [f"train.{key}: saved {saved_train[key]!r}, now {getattr(cfg.train, key)!r} (the saved data "
@@ -185,8 +188,14 @@ def check_resume(cfg: Config, run_dir: Path, model: Any) -> tuple[list[str], int
                           "(or start a new run in another --run-dir):\n  " + "\n  ".join(problems))
     changed = [f"train.{key} {saved_train[key]!r} → {getattr(cfg.train, key)!r}" for key in SCHEDULE_KEYS
                if key in saved_train and saved_train[key] != getattr(cfg.train, key)]
-    step = marker.get("step") if isinstance(marker.get("step"), int) else None
-    if changed:
-        return [f"warning: resuming with a changed learning-rate schedule ({', '.join(changed)}): from the "
-                "first resumed step on, the learning rate follows the new schedule"], step
-    return [], step
+    lines = [f"warning: resuming with a changed learning-rate schedule ({', '.join(changed)}): from the first "
+             "resumed step on, the learning rate follows the new schedule"] if changed else []
+    step = marker["step"] if isinstance(marker["step"], int) else None
+    return Resume(lines, step, folder, damaged)
+
+
+def set_aside_damaged(cfg: Config, run_dir: Path, resume: Resume) -> list[str]:
+    """Once every check passed: move the damaged checkpoints the resume skips to checkpoints/damaged/;
+    the lines that say so."""
+    return store.set_aside_damaged(checkpoint_root(cfg, run_dir), resume.damaged, resume.folder) \
+        if resume.damaged else []

@@ -118,7 +118,7 @@ def _check_data(cfg: Config, vocab_size: int) -> None:
     if data.source != "synthetic":
         # The files' shape (dtype, size, length) is checked here, once, rather than on every rank.
         try:
-            check_files(data.source, data.path, cfg.train.seq_len, data.tokenizer, data.token_dtype)
+            check_files(data.source, data.path, cfg.train.seq_len, data.tokenizer, data.token_dtype, vocab_size)
         except DataError as exc:
             raise ConfigError(f"data.path: {exc}") from None
 
