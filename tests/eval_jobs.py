@@ -16,7 +16,9 @@ def layouts_job(cfg_dicts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any
 
 def untouched_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """Two evaluations around nothing else: whether they agree (dropout off), and whether the modes, the
-    gradients and the optimizer were left as they were."""
+    gradients, the optimizer and FSDP's sharded parameters were left as they were."""
+    from torch.distributed.tensor import DTensor
+
     from meshfit.train.evaluate import evaluate
     from meshfit.train.trainer import build_run
 
@@ -27,4 +29,5 @@ def untouched_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     return {"first": first, "second": second, "dropouts": len(dropouts),
             "all_training": all(m.training for m in run.model.modules()),
             "grads": sum(p.grad is not None for p in run.model.parameters()),
-            "optimizer_state": len(run.optimizer.state)}
+            "optimizer_state": len(run.optimizer.state),
+            "sharded": all(isinstance(p, DTensor) for p in run.model.parameters())}

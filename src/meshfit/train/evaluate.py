@@ -8,9 +8,10 @@ a resumed run keeps the schedule), reads the same train.eval_batches global batc
   DDP prepares no gradient reduction without grad mode, and the pipeline runs torch's forward-only pass
   of its schedule (`schedule.eval`);
 * every module in eval mode (dropout off), and each back in the mode it had afterwards;
-* FSDP2 modules resharded afterwards: ZeRO-1/2 keep gathered weights after a forward (they are resharded
-  after the step's last backward, which an evaluation has not), and the optimizer step, the checkpoint
-  and the next micro-batch all expect the sharded ones.
+* FSDP2 modules resharded afterwards: ZeRO-1/2 keep the gathered weights after a forward until the
+  step's last backward, which an evaluation has not; without the reshard a rank would hold whole weights
+  from the evaluation until the next step's backward (through a checkpoint save, say), which is more
+  than its layout holds between steps.
 
 Each rank adds up its per-token losses and counts its tokens; one all-reduce over the world sums both,
 so the mean is over every held-out token whatever the layout (tensor-parallel ranks hold the same loss
