@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +176,48 @@ def test_evaluation_schedule_continues_after_resume(tmp_path: Path) -> None:
     assert [v["step"] for v in result["full"]["val_losses"]] == [3, 6, 9]
     assert [v["step"] for v in result["first"]["val_losses"]] == [3]
     assert result["full"]["val_losses"] == result["first"]["val_losses"] + result["second"]["val_losses"]
+
+
+# ---- meshfit show -----------------------------------------------------------------------------------
+
+
+def _run_dir(path: Path, val: dict[int, object]) -> Path:
+    """A run directory as training leaves it, with val_loss on the steps in `val`."""
+    path.mkdir()
+    (path / "config.yaml").write_text(load_config(None, ["train.steps=4", "train.eval_every=2"]).to_yaml())
+    records = [{"step": s, "loss": 5.0 - s / 2, "tokens_per_s": 1000.0, "step_time_s": 1.0, "peak_mem_bytes": 2**20,
+                "mem": [{"params": 1, "peak": 2**20}], **({"val_loss": val[s]} if s in val else {})}
+               for s in range(1, 5)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_show_has_a_val_loss_column_and_markers(tmp_path: Path, capsys, monkeypatch) -> None:
+    from meshfit import show as show_mod
+    from meshfit.cli import main
+
+    monkeypatch.chdir(tmp_path)  # short run names: the table keeps each row on one line
+    _run_dir(tmp_path / "a", {2: 4.25, 4: 3.5})
+    _run_dir(tmp_path / "b", {})
+    figures = []
+    real_save = show_mod._save
+    monkeypatch.setattr(show_mod, "_save", lambda fig, path, **kw: figures.append(fig) or real_save(fig, path, **kw))
+    assert main(["show", "a", "b", "--out", "plots"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "layout" in line)
+    assert "val loss" in header
+    assert "3.5000 @4" in next(line for line in out.splitlines() if line.startswith("│ a "))
+    assert "3.5000" not in next(line for line in out.splitlines() if line.startswith("│ b "))
+    lines = figures[0].axes[0].get_lines()  # the loss plot: a's curve, a's val markers, b's curve
+    assert [line.get_label() for line in lines][1].endswith("(val)")
+    assert list(lines[1].get_xdata()) == [2, 4] and list(lines[1].get_ydata()) == [4.25, 3.5]
+    assert len(lines) == 3  # no markers for a run that never evaluated
+
+
+def test_show_names_a_val_loss_that_is_not_a_number(tmp_path: Path, capsys) -> None:
+    from meshfit.cli import main
+
+    run = _run_dir(tmp_path / "a", {2: "low"})
+    assert main(["show", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "line 2" in err[0] and "val_loss" in err[0], err
