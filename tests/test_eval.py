@@ -221,3 +221,33 @@ def test_show_names_a_val_loss_that_is_not_a_number(tmp_path: Path, capsys) -> N
     assert main(["show", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "line 2" in err[0] and "val_loss" in err[0], err
+
+
+# ---- what the ranks read ----------------------------------------------------------------------------
+
+
+def test_a_share_is_never_trained_on_and_evaluating_changes_no_training_data(tmp_path: Path) -> None:
+    from meshfit.train.held_out import data_sources
+
+    data = _tokens(tmp_path, "train.npy", 5000)
+    base = ["data.source=tokens", f"data.path={data}", "data.val_fraction=0.1"]
+    train, held = data_sources(load_config(None, [*base, "train.eval_every=2"]), 256, None)
+    assert len(train) == 4500 and len(held) == 500 and held[0] == np.load(data)[4500]
+    same, none = data_sources(load_config(None, base), 256, None)
+    assert none is None and len(same) == 4500  # training reads the same tokens with evaluation off
+
+
+def test_bpe_held_out_text_gets_the_training_texts_ids(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from meshfit.train.held_out import data_sources
+
+    (tmp_path / "train.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    (tmp_path / "val.txt").write_text("a lazy fox, quick as a dog. " * 20)
+    cfg = load_config(None, ["data.source=text", "data.tokenizer=bpe", f"data.path={tmp_path / 'train.txt'}",
+                             f"data.val_path={tmp_path / 'val.txt'}", "train.eval_every=1"])
+    _, held = data_sources(cfg, 280, tmp_path / "cache")
+    cached = list((tmp_path / "cache").glob("bpe-280-*/tokenizer.json"))
+    assert len(cached) == 1  # one tokenizer, the training text's
+    expected = Tokenizer.from_file(str(cached[0])).encode((tmp_path / "val.txt").read_text()).ids
+    assert held.tolist() == expected

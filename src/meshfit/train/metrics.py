@@ -153,7 +153,7 @@ class MetricsLog:
         self.step_times.append(rec["step_time_s"])
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
-        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps:
+        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps or "val_loss" in rec:
             print(f"step {rec['step']:>5}/{self.total_steps} | {info} | eta {self.eta(rec['step'])}", flush=True)
 
     def eta(self, step: int) -> str:
