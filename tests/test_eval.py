@@ -149,10 +149,22 @@ def test_val_loss_equals_one_process_under_every_layout() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
+def test_val_loss_under_the_other_pipeline_schedules() -> None:
+    # V schedules put the last stage on the first rank; zero-bubble ones split the backward.
+    layouts = {s: ["parallel.pp=2", f"pipeline.schedule={s}", "pipeline.microbatches=4"]
+               for s in ("gpipe", "interleaved-zb", "zbv", "dualpipev")}
+    results = run_ranks(layouts_job, 2, {n: parity_config(*EVAL, *o) for n, o in layouts.items()}, timeout_s=380)
+    deltas = {name: _check(name, result) for name, result in results[0].items()}
+    print("max |Δ val_loss| vs one process:", {k: f"{v:.1e}" for k, v in deltas.items()})
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
 def test_val_loss_under_composed_layouts_four_ranks() -> None:
     layouts = {"pp-zero3": ["parallel.pp=2", "parallel.dp_shard=2"],
                "tp-zero3": ["parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true", "parallel.dp_shard=2"],
-               "hsdp-offload": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.offload=true"]}
+               "hsdp-offload": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.offload=true"],
+               "pp-tp": ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.loss_parallel=true"]}
     results = run_ranks(layouts_job, 4, {n: parity_config(*EVAL, *o) for n, o in layouts.items()}, timeout_s=380)
     deltas = {name: _check(name, result) for name, result in results[0].items()}
     print("max |Δ val_loss| vs one process:", {k: f"{v:.1e}" for k, v in deltas.items()})

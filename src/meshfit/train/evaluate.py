@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshfit.parallel.schedules import v_shaped
 from meshfit.train.loss import lm_loss
 from meshfit.train.pipelined import pipeline_step
 
@@ -72,7 +74,9 @@ def _loss_sum(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
     """Σ of this rank's per-token losses over one batch (fp64); zero on ranks without the last stage."""
     device, use_lp = run.env.device, run.cfg.parallel.loss_parallel
     if run.pipe is not None:
-        mean = pipeline_step(run.pipe, inputs, targets, device, use_lp, forward_only=True)
+        v_schedule = v_shaped(run.cfg.pipeline.schedule)
+        with _forward_actions_only(run.pipe.schedule) if v_schedule else contextlib.nullcontext():
+            mean = pipeline_step(run.pipe, inputs, targets, device, use_lp, forward_only=True)
         return mean.double() * targets.numel()  # equal micro-batches: their mean loss is the batch's
     total = torch.zeros((), dtype=torch.float64, device=device)
     micro = run.shape.micro_batch
@@ -83,6 +87,38 @@ def _loss_sum(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += loss.double() * y.numel()
     return total
+
+
+# The actions of a torch pipeline schedule that belong to the backward (torch's _ComputationType values).
+_BACKWARD_ACTIONS = frozenset({"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"})
+
+
+@contextlib.contextmanager
+def _forward_actions_only(schedule: Any) -> Iterator[None]:
+    """The V schedules' own action lists, less their backward actions, for the length of one `eval`.
+
+    torch 2.13's `schedule.eval` runs a schedule's backward actions as no-ops, but where a rank holds two
+    adjacent stages (the V schedules' special case) it still hands the backward's input gradient from one
+    to the other and fails ("can't steal_bwd_input if this stage doesn't have backward"). Without the
+    backward actions the same schedule runs its forwards, sends and receives in its own order: a forward
+    waits only on the forward of the stage before it, so the order cannot deadlock.
+    """
+    order = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: _forwards(actions) for rank, actions in order.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
+
+
+def _forwards(actions: list[Any]) -> list[Any]:
+    kept = []
+    for action in actions:
+        # An overlapped forward-and-backward (DualPipeV) keeps its forward half.
+        for part in action.sub_actions or [action]:
+            if part.computation_type not in _BACKWARD_ACTIONS:
+                kept.append(part)
+    return kept
 
 
 def _reshard(model: torch.nn.Module) -> None:
