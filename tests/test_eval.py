@@ -66,13 +66,15 @@ def test_held_out_settings_checked_before_ranks(tmp_path: Path) -> None:
     _resolve(*tokens, "train.eval_every=2", f"data.val_path={data}")
 
 
-def test_bad_held_out_setting_is_one_error_line(tmp_path: Path) -> None:
+def test_bad_held_out_setting_is_one_error_line(tmp_path: Path, capsys) -> None:
     from meshfit.cli import main
 
     data = _tokens(tmp_path, "train.npy", 5000)
     code = main(["train", "--run-dir", str(tmp_path / "run"), "--set", "data.source=tokens", "--set",
                  f"data.path={data}", "--set", "train.eval_every=5"])
+    out, err = capsys.readouterr()
     assert code == 2 and not (tmp_path / "run").exists()
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("error: train.eval_every=5"), err
 
 
 # ---- held-out data ----------------------------------------------------------------------------------
