@@ -181,6 +181,11 @@ class TrainSection(_Section):
     # A rank that makes no progress for this long (a step, a collective, a save) is hung: every rank
     # reports it and exits non-zero.
     timeout_s: float = 600.0
+    # Validation loss on held-out data (data.val_path / data.val_fraction; synthetic data has its own
+    # held-out stream) after every eval_every-th step; 0 = never. Each evaluation averages eval_batches
+    # global batches, the same ones every time, so the values form one comparable curve.
+    eval_every: int = Field(0, ge=0)
+    eval_batches: int = 4
 
     @field_validator("memory_budget", mode="before")
     @classmethod
@@ -199,7 +204,7 @@ class TrainSection(_Section):
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("steps", "global_batch", "seq_len", "log_every", "memory_tracked_steps")
+    @field_validator("steps", "global_batch", "seq_len", "log_every", "memory_tracked_steps", "eval_batches")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value <= 0:
@@ -227,6 +232,10 @@ class DataSection(_Section):
     path: str | None = None
     tokenizer: Literal["byte", "bpe"] = "byte"
     token_dtype: Literal["uint16", "uint32", "int32", "int64"] | None = None
+    # Held-out data for train.eval_every: a file (or folder) like `path`, read with the same source,
+    # tokenizer and token_dtype; or the last val_fraction of `path`'s tokens, then not trained on.
+    val_path: str | None = None
+    val_fraction: float = Field(0.0, ge=0, lt=1)
 
 
 class CheckpointSection(_Section):

@@ -105,6 +105,7 @@ class StepRecord(BaseModel):
     step_time_s: Number
     peak_mem_bytes: Bytes
     mfu: OptionalNumber = None
+    val_loss: OptionalNumber = None  # only on steps that ran an evaluation (train.eval_every)
     mem: Annotated[list[RankMem], BeforeValidator(_rank_objects)] = Field(default_factory=list)
 
 

@@ -226,6 +226,7 @@ def summary_row(run: RunView) -> dict[str, str]:
         "steps": f"{recs[-1]['step'] if recs else 0} / {planned if planned else '?'}",
         "status": run.status,
         "final loss": f"{recs[-1]['loss']:.4f}" if recs else "-",
+        "val loss": _last_val(recs),
         "tokens/s": f"{tps:,.0f}" if tps is not None else "-",
         "step time": f"{step_s * 1e3:.1f} ms" if step_s is not None else "-",
         "MFU": f"{mfus:.1%}" if mfus is not None else "-",
@@ -233,9 +234,16 @@ def summary_row(run: RunView) -> dict[str, str]:
     }
 
 
+def _last_val(recs: list[dict[str, Any]]) -> str:
+    """The latest validation loss and its step ('-' when the run has not evaluated)."""
+    evaluated = [r for r in recs if "val_loss" in r]
+    return f"{evaluated[-1]['val_loss']:.4f} @{evaluated[-1]['step']}" if evaluated else "-"
+
+
 def summary_table(runs: list[RunView]) -> Table:
     rows = [summary_row(r) for r in runs]
-    table = Table(title="runs", caption="medians over steps 2+; peak mem: the most-loaded rank over all steps")
+    table = Table(title="runs", caption="medians over steps 2+; val loss: the latest, @ its step; peak mem: the "
+                                        "most-loaded rank over all steps")
     for column in rows[0]:
         table.add_column(column, justify="left" if column in ("run", "layout", "status") else "right")
     for row in rows:
@@ -282,6 +290,10 @@ def plot_series(runs: list[RunView], key: str, ylabel: str, title: str, path: Pa
         if speed and tracked:
             ax.plot([r["step"] for r in tracked], [r[key] for r in tracked], "o", color=style["color"],
                     fillstyle="none")
+        evaluated = [r for r in run.records if "val_loss" in r]
+        if key == "loss" and evaluated:  # validation loss: markers over the training curve, same color
+            ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "D", color=style["color"],
+                    markersize=4, label=f"{run.label} (val)")
     if speed:
         title += " (○ = memory tracker on, slower)"
     ax.set(xlabel="step", ylabel=ylabel, title=title)

@@ -41,11 +41,13 @@ def make_source(
     tokenizer: str = "byte",
     cache_dir: str | os.PathLike | None = None,
     token_dtype: str | None = None,
+    trained_on: str | os.PathLike | None = None,
 ) -> MarkovSource | np.ndarray:
     """Build what ``TokenBatches`` reads from the ``data.*`` settings.
 
     ``synthetic`` ignores ``path``; ``text`` and ``tokens`` require it. ``seed``
-    only affects the synthetic language.
+    only affects the synthetic language. ``trained_on``: BPE text is encoded with the tokenizer of that
+    text (held-out text, see ``tokenize_text``).
     """
     if source not in SOURCES:
         raise ValueError(f"data.source={source!r} is not valid; choose one of {', '.join(SOURCES)}")
@@ -57,5 +59,5 @@ def make_source(
     if source == "text":
         if tokenizer not in ("byte", "bpe"):
             raise ValueError(f"data.tokenizer={tokenizer!r} is not valid; choose one of byte, bpe")
-        return tokenize_text(path, tokenizer, vocab_size, cache_dir)
+        return tokenize_text(path, tokenizer, vocab_size, cache_dir, trained_on)
     return load_token_file(path, vocab_size, dtype=token_dtype)

@@ -86,6 +86,17 @@ def _words_at_least(files: list[Path], need: int) -> bool:
     return False
 
 
+def token_count(source: str, path: str | os.PathLike, tokenizer: str = "byte",
+                token_dtype: str | None = None) -> int | None:
+    """How many tokens a data file holds, known before training: None for BPE text (not yet trained)."""
+    path = Path(path)
+    if source == "tokens":
+        return len(_open_token_file(path, token_dtype))
+    if tokenizer != "byte":
+        return None
+    return sum(file.stat().st_size for file in _text_files(path))  # one token per byte
+
+
 def _open_token_file(path: Path, dtype: str | None) -> np.ndarray:
     """The memory-mapped tokens of a file whose form is right (not yet range-checked)."""
     if not path.is_file():
@@ -198,7 +209,8 @@ def _check_range(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
 
 
 def tokenize_text(
-    path: str | os.PathLike, tokenizer: str, vocab_size: int, cache_dir: str | os.PathLike | None = None
+    path: str | os.PathLike, tokenizer: str, vocab_size: int, cache_dir: str | os.PathLike | None = None,
+    trained_on: str | os.PathLike | None = None,
 ) -> np.ndarray:
     """Tokenize a UTF-8 text file, or every ``*.txt`` in a directory (sorted by name).
 
@@ -208,6 +220,8 @@ def tokenize_text(
     and reused whenever the text and vocab_size match, so ids stay identical
     across runs; without ``cache_dir`` it is retrained each call (deterministic,
     just slower). Files are tokenized separately and concatenated in order.
+    ``trained_on``: encode with the BPE of that text instead (held-out text must get the ids of the text
+    the model trains on).
     """
     path = Path(path)
     if tokenizer not in TOKENIZERS:
@@ -218,7 +232,12 @@ def tokenize_text(
     texts = [_decode(file, data) for file, data in raw.items()]
     if tokenizer == "byte":
         return np.concatenate([np.frombuffer(data, dtype=np.uint8) for data in raw.values()])
-    tok = _bpe_tokenizer(path, texts, vocab_size, _bpe_cache_file(cache_dir, raw.values(), vocab_size))
+    basis, basis_raw = path, raw
+    if trained_on is not None:
+        basis = Path(trained_on)
+        basis_raw = {file: file.read_bytes() for file in _text_files(basis)}
+    basis_texts = texts if trained_on is None else [_decode(file, data) for file, data in basis_raw.items()]
+    tok = _bpe_tokenizer(basis, basis_texts, vocab_size, _bpe_cache_file(cache_dir, basis_raw.values(), vocab_size))
     dtype = np.min_scalar_type(vocab_size - 1)
     return np.concatenate([np.asarray(enc.ids, dtype=dtype) for enc in tok.encode_batch(texts)])
 

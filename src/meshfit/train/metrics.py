@@ -93,6 +93,8 @@ def tensorboard_scalars(rec: dict[str, Any]) -> dict[str, float]:
                "memory/peak_mem_bytes": rec["peak_mem_bytes"]}
     if rec.get("mfu") is not None:
         scalars["perf/mfu"] = rec["mfu"]
+    if "val_loss" in rec:  # steps that ran an evaluation (train.eval_every)
+        scalars["val/loss"] = rec["val_loss"]
     # The most-loaded rank's breakdown at its peak: what decides whether the layout fits.
     worst = max(rec.get("mem") or [{}], key=lambda m: m.get("peak", 0))
     for key in ("params", "grads", "optim", "activations", "other"):
@@ -146,10 +148,12 @@ class MetricsLog:
             self.writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged
         info = (f"loss {rec['loss']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
                 f"{rec['tokens_per_s']:.0f} tok/s | peak {fmt_bytes(rec['peak_mem_bytes'])}")
+        if "val_loss" in rec:
+            info = f"{info} | val {rec['val_loss']:.4f}"
         self.step_times.append(rec["step_time_s"])
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
-        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps:
+        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps or "val_loss" in rec:
             print(f"step {rec['step']:>5}/{self.total_steps} | {info} | eta {self.eta(rec['step'])}", flush=True)
 
     def eta(self, step: int) -> str:

@@ -56,9 +56,11 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
 
 
 def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
-                  use_loss_parallel: bool) -> torch.Tensor:
+                  use_loss_parallel: bool, forward_only: bool = False) -> torch.Tensor:
     """Forward and backward of every micro-batch through the schedule; returns the mean loss on the last
-    stage, which alone computes it, and zero on the others (the step's vote averages the holders' losses)."""
+    stage, which alone computes it, and zero on the others (the step's vote averages the holders' losses).
+
+    `forward_only` (evaluation): torch's own forward-only pass of the same schedule, `schedule.eval`."""
     losses: list[torch.Tensor] = []
     args = (inputs.to(device),) if pipe.first else ()
     kwargs = {"target": targets.to(device), "losses": losses} if pipe.last else {}
@@ -66,7 +68,7 @@ def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, devic
         # Only the losses are used: without this the last stage keeps every micro-batch's logits.
         kwargs["return_outputs"] = False
     with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-        pipe.schedule.step(*args, **kwargs)
+        (pipe.schedule.eval if forward_only else pipe.schedule.step)(*args, **kwargs)
     if not pipe.last:
         return torch.zeros((), device=device)
     parts = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]

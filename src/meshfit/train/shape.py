@@ -21,6 +21,7 @@ from meshfit.parallel.pipeline import StagePlan, plan_stages
 from meshfit.parallel.rules import default_zero_stage, layout_error
 from meshfit.parallel.schedules import default_virtual_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
+from meshfit.train.held_out import check_held_out
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
             f"use train.seq_len ≤ {model.max_seq_len} or raise model.max_seq_len"
         )
     _check_data(cfg, model.vocab_size)
+    check_held_out(cfg)
     _check_init_from(cfg)
     _check_memory(cfg)
     stage = _layout(cfg, dims)

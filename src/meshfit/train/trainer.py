@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
-from meshfit.data import TokenBatches, make_source
+from meshfit.data import TokenBatches
+from meshfit.data.heldout import HeldOut
 from meshfit.memory.meter import MemoryMeter
 from meshfit.memory.tracker import limit_cuda_memory, make_tracker
 from meshfit.models import build_model, flops_per_token
@@ -36,9 +37,11 @@ from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
+from meshfit.train.evaluate import evaluate, evaluation_due
 from meshfit.train.faults import Faults, StopRequest, Watchdog
 from meshfit.train.grad_norm import clip_grad_norm, grad_squares
 from meshfit.train.guard import StepGuard
+from meshfit.train.held_out import data_sources, held_out_reader
 from meshfit.train.loss import lm_loss
 from meshfit.train.metrics import MetricsLog, mfu, peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
@@ -71,6 +74,7 @@ class Run:
     meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
     stash: GradientStash | None = None  # ZeRO-2 under mixed precision with gradient accumulation
     host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters on CPU ranks (host_reduce.py)
+    held_out: HeldOut | None = None  # validation batches (train.eval_every > 0)
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
@@ -90,9 +94,7 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
                             device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize)
     optimizer = build_optimizer(model, cfg.train)
-    source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=model_cfg.vocab_size,
-                         seed=cfg.train.seed, tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype,
-                         cache_dir=str(run_dir) if run_dir else None)
+    source, held = data_sources(cfg, model_cfg.vocab_size, str(run_dir) if run_dir else None)
     # Named by data.path: tokenized text is an in-memory array, which would otherwise be "token array".
     batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                            dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp,
@@ -107,7 +109,8 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter,
                stash=None if pipe else gradient_stash(model, shape.zero_stage, shape.mixed_precision,
                                                       shape.accum_steps),
-               host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group())))
+               host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group())),
+               held_out=held_out_reader(cfg, held, meshes.dp.get_local_rank(), shape.dims.dp))
 
 
 def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str) -> HostReduceScatter | None:
@@ -294,6 +297,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "final_loss": history[-1]["loss"] if history else None, "losses": [r["loss"] for r in history],
         "grad_norms": [r["grad_norm"] for r in history],
         "skipped_steps": [r["step"] for r in history if r.get("skipped")],
+        "val_losses": [{"step": r["step"], "val_loss": r["val_loss"]} for r in history if "val_loss" in r],
         "peak_mem_bytes": max((r["peak_mem_bytes"] for r in history), default=0),
         "mem": history[-1]["mem"] if history else [],
         "mean_step_time_s": sum(r["step_time_s"] for r in history[1:]) / max(1, len(history) - 1),
@@ -374,6 +378,9 @@ def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, fa
             watchdog.arm(f"step {run.step + 1}")
             faults.at_step_start(run.step + 1)
             run.history.append(train_step(run, guard))
+            if evaluation_due(run):
+                watchdog.arm(f"the evaluation after step {run.step}")
+                run.history[-1].update(evaluate(run))
             log.record(run.history[-1])
             if ckpt.due(run.step) and not guard.stop_requested:
                 watchdog.arm(f"the checkpoint save after step {run.step}")
