@@ -217,3 +217,21 @@ def test_demo_warnings_go_to_the_log(tmp_path, capsys):
     (tmp_path / "tp" / "warnings.log").write_text("[rank 1] x.py:1: UserWarning: w\n")
     assert [(p.relative_to(tmp_path).as_posix(), n) for p, n in warning_logs(tmp_path)] == \
         [("tp/warnings.log", 1), ("warnings.log", 1)]
+
+
+def test_a_signal_ends_the_whole_demo(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) reaches the launcher of one layout's ranks; the demo ends there rather than going
+    on with the next layout."""
+    import meshfit.demo as demo
+
+    started = []
+
+    def stopped_launch(cfg, run_dir, nproc):
+        started.append(run_dir.name)
+        return Outcome(ok=False, signal="SIGINT")
+
+    monkeypatch.setattr(demo, "launch", stopped_launch)
+    assert demo.run_demo(tmp_path / "d", nproc=2) == 130
+    assert started == ["ddp"]  # neither the run without the budget nor the next layout started
+    assert "stopped by SIGINT during ddp; no summary was written" in capsys.readouterr().out
+    assert not (tmp_path / "d" / "summary.json").exists()

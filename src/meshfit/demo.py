@@ -20,8 +20,8 @@ import io
 import json
 import math
 import shutil
+import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from meshfit.train.launch import Outcome, launch
 from meshfit.train.preflight import check_location, run_contents
 from meshfit.charts import memory_chart
 from meshfit.demo_compare import category_note
+from meshfit.kept_warnings import KeptWarnings, warning_logs
 from meshfit.units import fmt_bytes, parse_bytes
 
 # 5.5M parameters: 16 bytes/parameter of fp32 weights, gradients and AdamW states ≈ 84 MiB per replica.
@@ -176,18 +177,31 @@ def failure_line(outcome: Outcome) -> str:
     return outcome.message or "failed without a report"
 
 
+class DemoStopped(Exception):
+    """A signal (Ctrl-C, SIGTERM) reached the launcher during a layout's run: the demo ends there."""
+
+    def __init__(self, signal_name: str, run_dir: Path) -> None:
+        super().__init__(signal_name)
+        self.signal_name, self.run_dir = signal_name, run_dir
+
+
 def _launch(cfg: Config, run_dir: Path, nproc: int) -> Outcome:
-    """launch() into a fresh run_dir; the launcher's own lines (banner, notes) go to run_dir/launch.log."""
+    """launch() into a fresh run_dir; the launcher's own lines (banner, notes) go to run_dir/launch.log.
+    Raises DemoStopped when a signal stopped the run: the launcher passed it on to the ranks, and the
+    user meant the demo, not one layout."""
     if run_dir.is_dir():
         shutil.rmtree(run_dir)  # an earlier demo's run of this layout (run_demo was told to overwrite)
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            return launch(cfg, run_dir, nproc)
+            outcome = launch(cfg, run_dir, nproc)
     finally:
         if said.getvalue():
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "launch.log").write_text(said.getvalue())
+    if outcome.signal:
+        raise DemoStopped(outcome.signal, run_dir)
+    return outcome
 
 
 def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
@@ -287,42 +301,6 @@ def floor_text(floor: dict[str, float] | None, losses: list[float]) -> str | Non
             f"their loss{where} has only begun to fall toward the floor.")
 
 
-class KeptWarnings:
-    """Python warnings raised in this process go to `path` (created at the first one), not the console."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.count = 0
-
-    def __enter__(self) -> KeptWarnings:
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.showwarning = self._write
-        return self
-
-    def _write(self, message: Any, category: type, filename: str, lineno: int, file: Any = None,
-               line: str | None = None) -> None:
-        self.count += 1
-        with contextlib.suppress(OSError):  # a warning must never end the demo
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as handle:
-                handle.write(f"[demo] {filename}:{lineno}: {category.__name__}: {message}\n")
-
-    def __exit__(self, *exc: object) -> None:
-        self._catch.__exit__(*exc)
-
-
-def warning_logs(run_dir: Path) -> list[tuple[Path, int]]:
-    """Every non-empty warnings log under run_dir (the demo's and the ranks'), with its line count."""
-    found = []
-    for path in sorted([run_dir / "warnings.log", *run_dir.glob("*/warnings*.log")]):
-        with contextlib.suppress(OSError):
-            lines = sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip())
-            if lines:
-                found.append((path, lines))
-    return found
-
-
 def make_console() -> Console:
     """At most WIDTH columns: the terminal's width when narrower; WIDTH when stdout is not a terminal."""
     probe = Console()
@@ -360,7 +338,12 @@ def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET, overwrite
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "warnings.log").unlink(missing_ok=True)
     with KeptWarnings(run_dir / "warnings.log"):
-        return _run(run_dir, nproc, budget, console)
+        try:
+            return _run(run_dir, nproc, budget, console)
+        except DemoStopped as stop:
+            console.print(f"stopped by {stop.signal_name} during {stop.run_dir.name}; no summary was written "
+                          f"(the layouts' runs so far are in {run_dir})")
+            return 128 + signal.Signals[stop.signal_name].value
 
 
 def _run(run_dir: Path, nproc: int, budget: str, console: Console) -> int:
