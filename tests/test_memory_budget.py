@@ -34,3 +34,22 @@ def test_offloaded_types_stay_in_the_tally():
     assert folded["params"] == 150 and folded["optim"] == 200 and folded["offloaded"] == 300
     assert folded["peak"] == 420
     assert "offloaded" not in fold_snapshot(snap)
+
+
+def test_a_dry_run_stands_in_for_a_gpu():
+    # `meshfit verify` runs on CPU for a GPU rank: what offload keeps on the host is off the device there.
+    snap = {"Sharded Param": 100, "Unsharded Param": 50, "OptState": 200, "Activation": 70, _TOTAL_KEY: 420}
+    folded = fold_snapshot(snap, ("Sharded Param", "Sharded Grad", "OptState"), apart=True)
+    assert folded["params"] == 50 and folded["optim"] == 0 and folded["peak"] == 120
+    assert folded["offloaded"] == 300
+
+
+def test_verify_leaves_offloaded_shards_out():
+    from meshfit.planner.layout import Layout, Workload
+    from meshfit.planner.verify import verify_layout
+
+    layout = Layout(dp_shard=2, zero_stage=3, offload=True, micro_batch=4)
+    measured = verify_layout("tiny", layout, Workload(seq_len=32, global_batch=8, precision="fp32")).measured
+    # The AdamW states and weight shards live on the host; the gathered weights are on the device.
+    assert measured["optim"] == 0 and measured["params"] > 0
+    assert measured["total"] == sum(measured[k] for k in ("params", "grads", "optim", "activations", "buffers"))

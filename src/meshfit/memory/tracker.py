@@ -31,22 +31,24 @@ _CATEGORIES = {
 }
 # With offload these live in host memory. On a CUDA rank they are off the device, so out of its tally. On
 # a CPU rank the host is the rank's own memory: they stay in the tally, the categories and the budget
-# (offload saves nothing there), and `offloaded` says how much of the tally they are.
+# (offload saves nothing there), and `offloaded` says how much of the tally they are. A dry run on CPU
+# that stands in for a GPU rank (`meshfit verify`) leaves them out, as the GPU would.
 _HOST_RESIDENT = ("Sharded Param", "Sharded Grad", "OptState")
 
 
-def _tally(snap: dict[Any, int]) -> int:
-    return int(snap.get(_TOTAL_KEY, 0))
+def _tally(snap: dict[Any, int], apart: tuple[str, ...] = ()) -> int:
+    return int(snap.get(_TOTAL_KEY, 0)) - sum(int(snap.get(k, 0)) for k in apart)
 
 
-def fold_snapshot(snap: dict[Any, int] | None, host: tuple[str, ...] = ()) -> dict[str, int]:
+def fold_snapshot(snap: dict[Any, int] | None, host: tuple[str, ...] = (), apart: bool = False) -> dict[str, int]:
     """One device's tracker snapshot as meshfit's breakdown (bytes); `peak` is the device tally. `host`:
-    the types offload keeps in host memory when that is this device's memory (reported as `offloaded`,
-    a part of the tally)."""
+    the types offload keeps in host memory, reported as `offloaded`; `apart`: the host is not this
+    device's memory (a dry run standing in for a GPU), so they are left out of the categories and tally."""
     snap = snap or {}
-    out = {name: sum(int(snap.get(t, 0)) for t in types) for name, types in _CATEGORIES.items()}
+    gone = host if apart else ()
+    out = {name: sum(int(snap.get(t, 0)) for t in types if t not in gone) for name, types in _CATEGORIES.items()}
     out["activations_other"] = out["activations"] + out["other"]
-    out["peak"] = _tally(snap)
+    out["peak"] = _tally(snap, gone)
     if host:
         out["offloaded"] = sum(int(snap.get(k, 0)) for k in host)
     return out
@@ -99,6 +101,7 @@ class _RankTracking:
         self.phase = "setup"
         # The types `offloaded` reports: on a CPU rank offload keeps them in the rank's own memory.
         self.host = _HOST_RESIDENT if (offload and self.device.type == "cpu") else ()
+        self.host_apart = False  # stand_in_for_gpu()
         self._category_max: dict[Any, int] = {}
 
     def _device_snap(self, snaps: dict[torch.device, dict[Any, int]]) -> dict[Any, int]:
@@ -107,12 +110,21 @@ class _RankTracking:
                 return snap
         return {}
 
+    def stand_in_for_gpu(self) -> None:
+        """Count as a GPU rank would (a dry run on CPU): offloaded bytes off the tally, the categories and
+        the budget."""
+        self.host_apart = True
+
+    @property
+    def _apart(self) -> tuple[str, ...]:
+        return self.host if self.host_apart else ()
+
     def current(self) -> dict[str, int]:
-        return fold_snapshot(self._device_snap(self._curr_mem_snap), self.host)
+        return fold_snapshot(self._device_snap(self._curr_mem_snap), self.host, self.host_apart)
 
     def peak(self) -> dict[str, Any]:
         """The breakdown at the step's peak, plus `max`: each category's (and torch type's) own maximum."""
-        out: dict[str, Any] = fold_snapshot(self._device_snap(self._peak_mem_snap), self.host)
+        out: dict[str, Any] = fold_snapshot(self._device_snap(self._peak_mem_snap), self.host, self.host_apart)
         out["phase"] = getattr(self, "_peak_phase", "setup")  # the trainer's phase label at the peak
         maxima = fold_snapshot(self._category_max)
         out["max"] = {k: v for k, v in maxima.items() if k not in ("activations_other", "peak", "offloaded")}
@@ -127,7 +139,7 @@ class _RankTracking:
         self._category_max = dict(live)
         super().__enter__()
         self._in_window = True
-        self._peak_mem = {self.device: _tally(live)}
+        self._peak_mem = {self.device: _tally(live, self._apart)}
         self._peak_mem_snap = {self.device: live}
         self._peak_phase = "setup"
         return self
@@ -142,7 +154,7 @@ class _RankTracking:
         snap = self._device_snap(self._curr_mem_snap)
         if not snap:
             return
-        live = _tally(snap)
+        live = _tally(snap, self._apart)
         if live > self._peak_mem.get(self.device, -1):
             self._peak_mem[self.device] = live
             self._peak_mem_snap = {self.device: dict(snap)}
@@ -214,7 +226,7 @@ class PipelineMemTracker(RankMemoryTracker):
         self._register_global_optimizer_hook()
         self._track_module_params_and_buffers(self._root, install_grad_hooks=True)
         self._track_resize()
-        self._peak_mem = {self.device: _tally(live)}
+        self._peak_mem = {self.device: _tally(live, self._apart)}
         self._peak_mem_snap = {self.device: live}
         self._peak_phase = "setup"
         TorchDispatchMode.__enter__(self)
