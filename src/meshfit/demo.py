@@ -343,7 +343,8 @@ def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET, overwrite
         except DemoStopped as stop:
             console.print(f"stopped by {stop.signal_name} during {stop.run_dir.name}; no summary was written "
                           f"(the layouts' runs so far are in {run_dir})")
-            return 128 + signal.Signals[stop.signal_name].value
+            known = signal.Signals.__members__.get(stop.signal_name)
+            return 128 + known.value if known else 1
 
 
 def _run(run_dir: Path, nproc: int, budget: str, console: Console) -> int:
