@@ -67,7 +67,7 @@ def format_breakdown(b: dict[str, int]) -> str:
 def _offloaded_note(breakdown: dict[str, int]) -> str:
     if not breakdown.get("offloaded"):
         return ""
-    return (f" (of which {fmt_bytes(breakdown['offloaded'])} offloaded: on CPU ranks host memory is the "
+    return (f"; {fmt_bytes(breakdown['offloaded'])} of them offloaded (on CPU ranks host memory is the "
             "rank's own, so parallel.offload saves none of the budget)")
 
 
