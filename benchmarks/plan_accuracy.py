@@ -86,7 +86,9 @@ def real_peak(layout: Layout, workload: Workload) -> int:
     if not outcome.ok:
         raise RuntimeError(outcome.message)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return max(r["peak_mem_bytes"] for r in records if r["step"] >= 2)
+    # A CPU rank counts offloaded shards in its peak (the host is its own memory); the planner and verify
+    # count a GPU's device memory, which does not hold them.
+    return max(m["peak"] - m.get("offloaded", 0) for r in records if r["step"] >= 2 for m in r["mem"])
 
 
 def _err(pred: float, meas: float | None) -> str:

@@ -8,9 +8,12 @@ import warnings
 import pytest
 
 from meshfit.charts import UNBUDGETED, bar_label, bar_note, memory_chart
+from meshfit.cli import main
+from meshfit.config import ConfigError
 from meshfit.data import MarkovSource
-from meshfit.demo import (DEMO_BUDGET, WIDTH, Entry, KeptWarnings, demo_config, failure_line, loss_floor,
-                          parity_text, warning_logs)
+from meshfit.demo import (DEMO_BUDGET, WIDTH, Entry, KeptWarnings, check_demo_args, demo_config, demo_trials,
+                          failure_line, loss_floor, parity_text, warning_logs)
+from meshfit.demo_compare import category_note
 from meshfit.train.launch import Outcome
 from meshfit.units import parse_bytes
 from test_cli import meshfit
@@ -68,12 +71,19 @@ def test_demo_progression(tmp_path):
     over = [line for line in lines if "over budget:" in line]
     assert len(over) == len(FAILING), over
     for line in over:
-        assert re.search(r"rank \d+ needed .* \(\d+ bytes\) during (forward|backward|optimizer step)", line), line
+        assert re.search(r"rank \d+ needed [\d.]+ MiB during (forward|backward|optimizer step), [\d.]+ (B|KiB|MiB) "
+                         r"over the 80.0 MiB budget", line), line
     assert "memory budget exceeded" not in out + res.stderr  # the ranks' own long reports stay off the console
     # Why the fitting layouts agree, with the measured spread; the data's loss floor, from its generator.
     assert f"ends at the same loss, {min(losses):.4f} (largest difference between them: " \
            f"{max(losses) - min(losses):.1e})" in re.sub(r"\s+", " ", out)
     assert "float rounding" in out
+    # Rows whose categories the tracker files apart from the plan's are named, with why (ddp and 3d here).
+    entries = [Entry(e["layout"], e["fits"], e["peak_mem_bytes"], e["final_loss"], e["why"], e["ranks"],
+                     mem=e["mem"], predicted=e["predicted_mem"], predicted_phase=e["predicted_phase"])
+               for e in summary.values()]
+    note = category_note(demo_trials(2), entries)
+    assert note is not None and re.sub(r"\s+", " ", note) in re.sub(r"\s+", " ", out)
     assert f"{loss_floor(demo_config())['floor']:.2f} nats/token" in out
     # Warnings stay off the console.
     assert not re.search(r"\w+Warning\b", out), out
@@ -95,12 +105,93 @@ def test_chart_labels_ranks_and_unbudgeted_bars(tmp_path):
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_failure_line_names_rank_phase_bytes():
+def test_failure_line_names_rank_phase_and_overshoot():
     record = {"rank": 1, "message": "memory budget exceeded on rank 1 ...",
               "budget": {"rank": 1, "phase": "backward", "needed": 84483316, "budget": 83886080}}
     line = failure_line(Outcome(ok=False, failure=record, failed_ranks=(0, 1)))
-    assert line == "rank 1 needed 80.6 MiB (84483316 bytes) during backward (budget 80.0 MiB)"
+    assert line == "rank 1 needed 80.6 MiB during backward, 583.2 KiB over the 80.0 MiB budget"
+    # Measured: zero1 needed 1,768 bytes more than the budget, and both round to 80.0 MiB.
+    record["budget"].update(needed=83887848, phase="forward")
+    line = failure_line(Outcome(ok=False, failure=record, failed_ranks=(0, 1)))
+    assert line == "rank 1 needed 80.0 MiB during forward, 1.7 KiB over the 80.0 MiB budget"
     assert "\n" not in failure_line(Outcome(ok=False, exit_codes={0: -9}))
+
+
+def _measured(peak, params, grads, optim, activations, other, phase):
+    return [{"params": params, "grads": grads, "optim": optim, "activations": activations, "other": other,
+             "peak": peak, "phase": phase}]
+
+
+def _planned(params, grads, optim, activations, buffers):
+    return {"params": params, "grads": grads, "optim": optim, "activations": activations, "buffers": buffers,
+            "total": params + grads + optim + activations + buffers}
+
+
+def test_category_note_names_rows_filed_apart():
+    """Planned and measured breakdowns (bytes) of a 2-rank demo run: ddp and 3d agree on the peak, not per
+    category; zero3 agrees on both."""
+    trials = {t.name: t for t in demo_trials(2)}
+    rows = [
+        Entry("ddp", False, 109651180, None, "", 2,
+              mem=_measured(109651180, 21902336, 21902336, 43804900, 21910536, 131072, "forward"),
+              predicted=_planned(21902336, 43804672, 43804672, 0, 131072), predicted_phase="bucket rebuild"),
+        Entry("zero3", True, 77956348, 7.6, "", 2,
+              mem=_measured(77956348, 21048832, 12426752, 21902564, 22447128, 131072, "backward"),
+              predicted=_planned(21048832, 12426752, 21902336, 23228416, 131072), predicted_phase="reduce in flight"),
+        Entry("3d", True, 27479152, 7.6, "", 8,
+              mem=_measured(27479152, 2739200, 0, 5478512, 16343040, 2918400, "pipeline forward/backward"),
+              predicted=_planned(9694208, 5478400, 5478400, 7352320, 393216), predicted_phase="backward"),
+    ]
+    note = category_note([trials[e.layout] for e in rows], rows)
+    assert note.startswith("Why some rows' categories differ from the plan's while their peaks agree: ddp: ")
+    assert "DDP's gradient buckets, rebuilt in step 2's forward, as activations (the plan: grads)" in note
+    assert "3d: inside pipeline stages the tracker counts FSDP's gathered weights" in note
+    assert "zero3" not in note
+    # A row filed apart for no known reason says where the peaks came instead.
+    zero1 = Entry("zero1", True, 100, 7.6, "", 2, mem=_measured(100, 60, 0, 0, 40, 0, "backward"),
+                  predicted=_planned(20, 0, 0, 80, 0), predicted_phase="loss")
+    assert category_note([trials["zero1"]], [zero1]) == ("Why some rows' categories differ from the plan's while "
+                                                         "their peaks agree: zero1: the peak came in another phase "
+                                                         "than planned (planned: loss; measured: backward).")
+    assert category_note([trials["zero3"]], rows[1:2]) is None
+
+
+def test_demo_refuses_one_rank_before_anything_runs(tmp_path, capsys):
+    assert main(["demo", "--nproc", "1", "--run-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --nproc 1: the demo runs on 2 or 4 ranks.") and "\n" not in err
+    assert "on 1 rank ZeRO shards nothing" in err
+    assert not (tmp_path / "d").exists()
+    assert main(["demo", "--nproc", "3", "--run-dir", str(tmp_path / "d")]) == 2
+    assert "the rank count must divide its batch (8) and key-value heads (4)" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_training_runs_folder(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-3").mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "result.json").write_text('{"status": "finished"}')
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    for extra in ([], ["--overwrite"]):  # --overwrite replaces an earlier demo's output, never a training run
+        assert main(["demo", "--run-dir", str(run), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --run-dir {run} holds a training run (metrics.jsonl (2 steps); "
+                              "result.json (finished)") and "choose another --run-dir for the demo" in err
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
+
+
+def test_demo_reruns_into_its_own_folder_with_overwrite(tmp_path):
+    demo = tmp_path / "demo"
+    (demo / "zero3").mkdir(parents=True)  # a layout's run folder holds a run's files: that is the demo's own
+    for name in ("config.yaml", "metrics.jsonl", "result.json"):
+        (demo / "zero3" / name).write_text("{}")
+    (demo / "summary.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"holds an earlier demo's output \(summary.json, zero3\): replace it "
+                                          r"with --overwrite"):
+        check_demo_args(demo, 2, overwrite=False)
+    check_demo_args(demo, 2, overwrite=True)
+    check_demo_args(tmp_path / "new", 4, overwrite=False)
 
 
 def test_parity_and_loss_floor_explained():
@@ -126,3 +217,21 @@ def test_demo_warnings_go_to_the_log(tmp_path, capsys):
     (tmp_path / "tp" / "warnings.log").write_text("[rank 1] x.py:1: UserWarning: w\n")
     assert [(p.relative_to(tmp_path).as_posix(), n) for p, n in warning_logs(tmp_path)] == \
         [("tp/warnings.log", 1), ("warnings.log", 1)]
+
+
+def test_a_signal_ends_the_whole_demo(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) reaches the launcher of one layout's ranks; the demo ends there rather than going
+    on with the next layout."""
+    import meshfit.demo as demo
+
+    started = []
+
+    def stopped_launch(cfg, run_dir, nproc):
+        started.append(run_dir.name)
+        return Outcome(ok=False, signal="SIGINT")
+
+    monkeypatch.setattr(demo, "launch", stopped_launch)
+    assert demo.run_demo(tmp_path / "d", nproc=2) == 130
+    assert started == ["ddp"]  # neither the run without the budget nor the next layout started
+    assert "stopped by SIGINT during ddp; no summary was written" in capsys.readouterr().out
+    assert not (tmp_path / "d" / "summary.json").exists()

@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from dist_jobs import parity_config, stash_job, train_job
-from meshfit.testing import run_ranks
+from meshfit.testing import RankFailed, run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -153,10 +153,21 @@ def test_activation_checkpointing_lowers_activation_peak():
     assert full["peak"] < plain["peak"]
 
 
-def test_offload_moves_states_off_the_device_tally():
+def test_offload_on_cpu_ranks_counts_against_the_budget():
+    """On CPU ranks the host is the rank's own memory: offloaded states stay in the tally and the budget."""
     on_device = _rank0_mem(2, "parallel.dp_shard=2")
     offloaded = _rank0_mem(2, "parallel.dp_shard=2", "parallel.offload=true")
-    resident = on_device["rest"]["params"] + on_device["rest"]["optim"]
-    assert offloaded["rest"]["params"] == 0 and offloaded["rest"]["optim"] == 0
-    assert offloaded["rest"]["offloaded"] >= resident
-    assert offloaded["peak"] < on_device["peak"]
+    rest = offloaded["rest"]
+    # The sharded weights and optimizer states are what offload keeps on the host, reported as such ...
+    assert rest["offloaded"] >= on_device["rest"]["params"] + on_device["rest"]["optim"] > 0
+    # ... and still counted: in their categories and in the tally, which offload does not lower.
+    assert rest["params"] + rest["grads"] + rest["optim"] >= rest["offloaded"]
+    assert rest["peak"] >= on_device["rest"]["peak"]
+    assert offloaded["peak"] >= offloaded["offloaded"] + offloaded["activations"]
+    assert abs(offloaded["peak"] - on_device["peak"]) <= 0.05 * on_device["peak"]
+    # A budget the run would meet with its offloaded bytes left out stops it, and the error says why.
+    budget = offloaded["peak"] - offloaded["offloaded"] // 2
+    with pytest.raises(RankFailed, match="memory budget exceeded") as failed:
+        run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.offload=true", "train.steps=3",
+                                              f"train.memory_budget={budget}B"))
+    assert "of them offloaded (on CPU ranks host memory is the rank's own" in str(failed.value)

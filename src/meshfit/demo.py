@@ -5,7 +5,8 @@ Every layout trains the same model on the same data under the same per-rank budg
 is stopped by the budget at the operator that would not have fit; it is then run once more for a few steps
 without the budget, so the table shows how much it really needs. Results go to DIR/summary.json and a
 chart of the per-rank breakdown to DIR/memory.png. Each layout runs in DIR/<layout> (DIR/<layout>-unbounded
-for the run without the budget); a rerun into the same DIR replaces those folders.
+for the run without the budget); a rerun into the same DIR with --overwrite replaces those folders. DIR
+is never a training run's folder, and the demo runs on 2 or 4 ranks (check_demo_args).
 
 The console output fits 100 columns. Python warnings of the demo's own process (torch's among them) go to
 DIR/warnings.log; the ranks keep theirs in their run folders (DIR/<layout>/warnings.log), and the
@@ -19,8 +20,8 @@ import io
 import json
 import math
 import shutil
+import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,12 @@ from rich.table import Table
 from meshfit.config import Config, ConfigError, load_config
 from meshfit.planner.estimate import MemoryEstimate, estimate_memory
 from meshfit.planner.layout import Layout, Workload
+from meshfit.memory.tracker import over_budget_text
 from meshfit.train.launch import Outcome, launch
-from meshfit.train.preflight import check_location
+from meshfit.train.preflight import check_location, run_contents
 from meshfit.charts import memory_chart
+from meshfit.demo_compare import category_note
+from meshfit.kept_warnings import KeptWarnings, warning_logs
 from meshfit.units import fmt_bytes, parse_bytes
 
 # 5.5M parameters: 16 bytes/parameter of fp32 weights, gradients and AdamW states ≈ 84 MiB per replica.
@@ -51,6 +55,9 @@ DEMO_TRAIN = [f"train.steps={DEMO_STEPS}", f"train.seq_len={DEMO_SEQ_LEN}", "tra
 # Planned per rank: DDP ~105 MiB, ZeRO-1 ~92, ZeRO-2 ~82, ZeRO-3 ~71, ZeRO-3 + checkpointing ~61.
 DEMO_BUDGET = "80MiB"
 PROBE_STEPS = 2  # unbudgeted re-run of a failing layout: its peak is step 2's (see DEMO_STEPS)
+# Rank counts the demo runs on: at least 2 (on one rank ZeRO shards nothing and tp/pp split nothing), and
+# dividing the global batch (8) and the KV heads (4).
+DEMO_NPROC = (2, 4)
 WIDTH = 100  # console columns: tables and lines fit in this
 MIB = 2**20
 
@@ -86,13 +93,11 @@ def demo_trials(nproc: int) -> list[Trial]:
         Trial("zero3", Layout(zero_stage=3, **shard), "+ weights sharded, gathered block by block (FSDP)"),
         Trial("fsdp-ac", Layout(zero_stage=3, activation_checkpointing="full", **shard),
               "ZeRO-3 + full activation checkpointing: blocks keep only their inputs"),
-    ] + ([] if nproc == 1 else [
         # Every tensor-parallel rank sees the whole batch; micro-batches of 2 keep the step count low.
         Trial("tp", Layout(tp=nproc, sp=True, loss_parallel=True, micro_batch=2),
               "every matrix split across ranks (Megatron), sequence- and loss-parallel"),
         Trial("pp", Layout(pp=nproc, schedule="1f1b", micro_batch=1),
               "layers split into stages, 1F1B schedule over 8 micro-batches"),
-    ]) + [
         # Always 8 ranks: the three techniques on one mesh, as large runs compose them.
         Trial("3d", Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True, micro_batch=1),
               "pp 2 × FSDP 2 × tp 2: the three techniques on one mesh"),
@@ -136,11 +141,13 @@ class Entry:
     mem: list[dict[str, int]] = field(default_factory=list)  # every rank's breakdown in the peak step
     error: str | None = None
     predicted: dict[str, int] = field(default_factory=dict)  # the planner's breakdown of the most-loaded rank
+    predicted_phase: str = ""  # the phase of the step where the planner puts that rank's peak
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "ranks": self.ranks, "fits": self.fits,
                 "peak_mem_bytes": self.peak_mem_bytes, "predicted_peak_mem_bytes": self.predicted.get("total"),
-                "predicted_mem": self.predicted, "final_loss": self.final_loss, "mem": self.mem,
+                "predicted_mem": self.predicted, "predicted_phase": self.predicted_phase,
+                "final_loss": self.final_loss, "mem": self.mem,
                 "error": self.error, "why": self.why, "wall_s": round(self.wall_s, 1)}
 
 
@@ -161,31 +168,44 @@ def _peak_step(run_dir: Path, result: dict[str, Any]) -> tuple[int, list[dict[st
 
 
 def failure_line(outcome: Outcome) -> str:
-    """What stopped a run, in one line: for the budget, the first rank that went over, the phase and the
-    bytes (the other ranks' reports, and their console lines, would say the same)."""
+    """What stopped a run, in one line: for the budget, the first rank that went over, the phase and how
+    far over (the other ranks' reports, and their console lines, would say the same)."""
     budget = (outcome.failure or {}).get("budget")
     if budget:
-        return (f"rank {budget['rank']} needed {fmt_bytes(budget['needed'])} ({budget['needed']} bytes) "
-                f"during {budget['phase']} (budget {fmt_bytes(budget['budget'])})")
+        return (f"rank {budget['rank']} needed {fmt_bytes(budget['needed'])} during {budget['phase']}, "
+                f"{over_budget_text(budget['needed'], budget['budget'])} the {fmt_bytes(budget['budget'])} budget")
     return outcome.message or "failed without a report"
 
 
+class DemoStopped(Exception):
+    """A signal (Ctrl-C, SIGTERM) reached the launcher during a layout's run: the demo ends there."""
+
+    def __init__(self, signal_name: str, run_dir: Path) -> None:
+        super().__init__(signal_name)
+        self.signal_name, self.run_dir = signal_name, run_dir
+
+
 def _launch(cfg: Config, run_dir: Path, nproc: int) -> Outcome:
-    """launch() into a fresh run_dir; the launcher's own lines (banner, notes) go to run_dir/launch.log."""
+    """launch() into a fresh run_dir; the launcher's own lines (banner, notes) go to run_dir/launch.log.
+    Raises DemoStopped when a signal stopped the run: the launcher passed it on to the ranks, and the
+    user meant the demo, not one layout."""
     if run_dir.is_dir():
         shutil.rmtree(run_dir)  # an earlier demo's run of this layout (run_demo was told to overwrite)
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            return launch(cfg, run_dir, nproc)
+            outcome = launch(cfg, run_dir, nproc)
     finally:
         if said.getvalue():
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "launch.log").write_text(said.getvalue())
+    if outcome.signal:
+        raise DemoStopped(outcome.signal, run_dir)
+    return outcome
 
 
 def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
-    sections, nproc, predicted = trial.sections, trial.nproc, predict(trial).as_dict()
+    sections, nproc, estimate = trial.sections, trial.nproc, predict(trial)
     start = time.monotonic()
     console.print(f"[bold]{trial.name}[/bold] ({nproc} ranks): {trial.why}")
     outcome = _launch(demo_config(f"train.memory_budget={budget}", sections=sections), root / trial.name, nproc)
@@ -193,7 +213,7 @@ def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry
         res = outcome.result
         peak, mem = _peak_step(root / trial.name, res)
         return Entry(trial.name, True, peak, res["final_loss"], trial.why, nproc, time.monotonic() - start, mem,
-                     predicted=predicted)
+                     predicted=estimate.as_dict(), predicted_phase=estimate.phase)
     label = "over budget" if (outcome.failure or {}).get("budget") else "failed"
     console.print(f"  [red]{label}[/red]: {failure_line(outcome)}")
     console.print(f"  measuring what it needs: {PROBE_STEPS} steps without the budget")
@@ -204,7 +224,8 @@ def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry
     if not probe.ok:
         console.print(f"  [red]the run without the budget failed too[/red]: {failure_line(probe)}")
         error += f"; without the budget it failed too: {probe.message}"
-    return Entry(trial.name, False, peak, None, trial.why, nproc, time.monotonic() - start, mem, error, predicted)
+    return Entry(trial.name, False, peak, None, trial.why, nproc, time.monotonic() - start, mem, error,
+                 estimate.as_dict(), estimate.phase)
 
 
 def _mib(n: int | float | None) -> str:
@@ -280,68 +301,50 @@ def floor_text(floor: dict[str, float] | None, losses: list[float]) -> str | Non
             f"their loss{where} has only begun to fall toward the floor.")
 
 
-class KeptWarnings:
-    """Python warnings raised in this process go to `path` (created at the first one), not the console."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.count = 0
-
-    def __enter__(self) -> KeptWarnings:
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.showwarning = self._write
-        return self
-
-    def _write(self, message: Any, category: type, filename: str, lineno: int, file: Any = None,
-               line: str | None = None) -> None:
-        self.count += 1
-        with contextlib.suppress(OSError):  # a warning must never end the demo
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as handle:
-                handle.write(f"[demo] {filename}:{lineno}: {category.__name__}: {message}\n")
-
-    def __exit__(self, *exc: object) -> None:
-        self._catch.__exit__(*exc)
-
-
-def warning_logs(run_dir: Path) -> list[tuple[Path, int]]:
-    """Every non-empty warnings log under run_dir (the demo's and the ranks'), with its line count."""
-    found = []
-    for path in sorted([run_dir / "warnings.log", *run_dir.glob("*/warnings*.log")]):
-        with contextlib.suppress(OSError):
-            lines = sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip())
-            if lines:
-                found.append((path, lines))
-    return found
-
-
 def make_console() -> Console:
     """At most WIDTH columns: the terminal's width when narrower; WIDTH when stdout is not a terminal."""
     probe = Console()
     return Console(width=min(probe.width, WIDTH) if probe.is_terminal else WIDTH)
 
 
-def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET, overwrite: bool = False) -> int:
-    """Run every demo layout; print the table and write summary.json. Returns the exit code.
-
-    A run_dir that holds an earlier demo's output is refused unless `overwrite` (then its layouts' runs
-    are replaced one by one)."""
-    console = make_console()
-    if nproc not in (1, 2, 4):
-        console.print("[red]error:[/red] --nproc must be 1, 2 or 4 (it must divide the demo's batch and heads)")
-        return 2
+def check_demo_args(run_dir: Path, nproc: int, overwrite: bool) -> None:
+    """Refuse, before anything runs or is written: a rank count the comparison means nothing at, a folder
+    that holds a training run (the demo's folder holds its summary and one run folder per layout), and an
+    earlier demo's output unless `overwrite` (then its layouts' runs are replaced one by one)."""
+    if nproc not in DEMO_NPROC:
+        raise ConfigError(f"--nproc {nproc}: the demo runs on 2 or 4 ranks. It compares how layouts split one "
+                          "model over ranks (on 1 rank ZeRO shards nothing and tp and pp split nothing), and "
+                          "the rank count must divide its batch (8) and key-value heads (4)")
     run_dir = Path(run_dir)
     check_location(run_dir)
+    training = run_contents(run_dir, run_dir / "checkpoints")
+    if training:
+        raise ConfigError(f"--run-dir {run_dir} holds a training run ({'; '.join(training)}), not a demo's "
+                          "output: choose another --run-dir for the demo (--overwrite replaces only an earlier "
+                          "demo's output)")
     earlier = [p.name for p in (run_dir / "summary.json", *(run_dir / t.name for t in demo_trials(nproc)))
                if p.exists()]
     if earlier and not overwrite:
         raise ConfigError(f"--run-dir {run_dir} holds an earlier demo's output ({', '.join(earlier)}): replace it "
                           "with --overwrite, or choose another --run-dir")
+
+
+def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET, overwrite: bool = False) -> int:
+    """Run every demo layout; print the table and write summary.json. Returns the exit code (bad arguments
+    raise ConfigError first: see check_demo_args)."""
+    run_dir = Path(run_dir)
+    check_demo_args(run_dir, nproc, overwrite)
+    console = make_console()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "warnings.log").unlink(missing_ok=True)
     with KeptWarnings(run_dir / "warnings.log"):
-        return _run(run_dir, nproc, budget, console)
+        try:
+            return _run(run_dir, nproc, budget, console)
+        except DemoStopped as stop:
+            console.print(f"stopped by {stop.signal_name} during {stop.run_dir.name}; no summary was written "
+                          f"(the layouts' runs so far are in {run_dir})")
+            known = signal.Signals.__members__.get(stop.signal_name)
+            return 128 + known.value if known else 1
 
 
 def _run(run_dir: Path, nproc: int, budget: str, console: Console) -> int:
@@ -358,6 +361,8 @@ def _run(run_dir: Path, nproc: int, budget: str, console: Console) -> int:
     console.print(_plan_table(trials, limit))
     entries = [_run_trial(t, run_dir, budget, console) for t in trials]
     console.print(_measured_table(entries, fmt_bytes(limit)))
+    if note := category_note(trials, entries):
+        console.print(note)
     console.print(_accuracy_table(entries))
     ddp, big = entries[0], entries[1]
     if ddp.peak_mem_bytes and big.peak_mem_bytes:

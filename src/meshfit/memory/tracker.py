@@ -29,27 +29,46 @@ _CATEGORIES = {
     "activations": ("Activation", "Temp", "Inputs"),
     "other": ("Buffer", "Other"),
 }
-# With offload these live in host memory; on a CPU-only machine they are taken off the device tally.
+# With offload these live in host memory. On a CUDA rank they are off the device, so out of its tally. On
+# a CPU rank the host is the rank's own memory: they stay in the tally, the categories and the budget
+# (offload saves nothing there), and `offloaded` says how much of the tally they are. A dry run on CPU
+# that stands in for a GPU rank (`meshfit verify`) leaves them out, as the GPU would.
 _HOST_RESIDENT = ("Sharded Param", "Sharded Grad", "OptState")
 
 
-def _tally(snap: dict[Any, int], host: tuple[str, ...]) -> int:
-    return int(snap.get(_TOTAL_KEY, 0)) - sum(int(snap.get(k, 0)) for k in host)
+def _tally(snap: dict[Any, int], apart: tuple[str, ...] = ()) -> int:
+    return int(snap.get(_TOTAL_KEY, 0)) - sum(int(snap.get(k, 0)) for k in apart)
 
 
-def fold_snapshot(snap: dict[Any, int] | None, host: tuple[str, ...] = ()) -> dict[str, int]:
-    """One device's tracker snapshot as meshfit's breakdown (bytes); `peak` is the device tally."""
+def fold_snapshot(snap: dict[Any, int] | None, host: tuple[str, ...] = (), apart: bool = False) -> dict[str, int]:
+    """One device's tracker snapshot as meshfit's breakdown (bytes); `peak` is the device tally. `host`:
+    the types offload keeps in host memory, reported as `offloaded`; `apart`: the host is not this
+    device's memory (a dry run standing in for a GPU), so they are left out of the categories and tally."""
     snap = snap or {}
-    out = {name: sum(int(snap.get(t, 0)) for t in types if t not in host) for name, types in _CATEGORIES.items()}
+    gone = host if apart else ()
+    out = {name: sum(int(snap.get(t, 0)) for t in types if t not in gone) for name, types in _CATEGORIES.items()}
     out["activations_other"] = out["activations"] + out["other"]
-    out["peak"] = _tally(snap, host)
+    out["peak"] = _tally(snap, gone)
     if host:
         out["offloaded"] = sum(int(snap.get(k, 0)) for k in host)
     return out
 
 
+def over_budget_text(needed: int, budget: int) -> str:
+    """How far over the budget, in a unit that shows it: sizes rounded to 0.1 MiB can look equal when
+    the overshoot is a few bytes."""
+    return f"{fmt_bytes(needed - budget)} over"
+
+
 def format_breakdown(b: dict[str, int]) -> str:
     return ", ".join(f"{k} {fmt_bytes(b[k])}" for k in ("params", "grads", "optim", "activations", "other"))
+
+
+def _offloaded_note(breakdown: dict[str, int]) -> str:
+    if not breakdown.get("offloaded"):
+        return ""
+    return (f"; {fmt_bytes(breakdown['offloaded'])} of them offloaded (on CPU ranks host memory is the "
+            "rank's own, so parallel.offload saves none of the budget)")
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -59,7 +78,8 @@ class MemoryBudgetExceeded(RuntimeError):
         self.rank, self.phase, self.needed, self.budget, self.breakdown = rank, phase, needed, budget, breakdown
         super().__init__(
             f"memory budget exceeded on rank {rank} during {phase}: needed {fmt_bytes(needed)} ({needed} bytes) "
-            f"but the budget is {fmt_bytes(budget)} ({budget} bytes); live tensors: {format_breakdown(breakdown)}"
+            f"but the budget is {fmt_bytes(budget)} ({budget} bytes), {over_budget_text(needed, budget)}; "
+            f"live tensors: {format_breakdown(breakdown)}{_offloaded_note(breakdown)}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,7 +99,9 @@ class _RankTracking:
         self.rank = rank
         self.budget = budget
         self.phase = "setup"
+        # The types `offloaded` reports: on a CPU rank offload keeps them in the rank's own memory.
         self.host = _HOST_RESIDENT if (offload and self.device.type == "cpu") else ()
+        self.host_apart = False  # stand_in_for_gpu()
         self._category_max: dict[Any, int] = {}
 
     def _device_snap(self, snaps: dict[torch.device, dict[Any, int]]) -> dict[Any, int]:
@@ -88,12 +110,21 @@ class _RankTracking:
                 return snap
         return {}
 
+    def stand_in_for_gpu(self) -> None:
+        """Count as a GPU rank would (a dry run on CPU): offloaded bytes off the tally, the categories and
+        the budget."""
+        self.host_apart = True
+
+    @property
+    def _apart(self) -> tuple[str, ...]:
+        return self.host if self.host_apart else ()
+
     def current(self) -> dict[str, int]:
-        return fold_snapshot(self._device_snap(self._curr_mem_snap), self.host)
+        return fold_snapshot(self._device_snap(self._curr_mem_snap), self.host, self.host_apart)
 
     def peak(self) -> dict[str, Any]:
         """The breakdown at the step's peak, plus `max`: each category's (and torch type's) own maximum."""
-        out: dict[str, Any] = fold_snapshot(self._device_snap(self._peak_mem_snap), self.host)
+        out: dict[str, Any] = fold_snapshot(self._device_snap(self._peak_mem_snap), self.host, self.host_apart)
         out["phase"] = getattr(self, "_peak_phase", "setup")  # the trainer's phase label at the peak
         maxima = fold_snapshot(self._category_max)
         out["max"] = {k: v for k, v in maxima.items() if k not in ("activations_other", "peak", "offloaded")}
@@ -108,7 +139,7 @@ class _RankTracking:
         self._category_max = dict(live)
         super().__enter__()
         self._in_window = True
-        self._peak_mem = {self.device: _tally(live, self.host)}
+        self._peak_mem = {self.device: _tally(live, self._apart)}
         self._peak_mem_snap = {self.device: live}
         self._peak_phase = "setup"
         return self
@@ -123,7 +154,7 @@ class _RankTracking:
         snap = self._device_snap(self._curr_mem_snap)
         if not snap:
             return
-        live = _tally(snap, self.host)
+        live = _tally(snap, self._apart)
         if live > self._peak_mem.get(self.device, -1):
             self._peak_mem[self.device] = live
             self._peak_mem_snap = {self.device: dict(snap)}
@@ -195,7 +226,7 @@ class PipelineMemTracker(RankMemoryTracker):
         self._register_global_optimizer_hook()
         self._track_module_params_and_buffers(self._root, install_grad_hooks=True)
         self._track_resize()
-        self._peak_mem = {self.device: _tally(live, self.host)}
+        self._peak_mem = {self.device: _tally(live, self._apart)}
         self._peak_mem_snap = {self.device: live}
         self._peak_phase = "setup"
         TorchDispatchMode.__enter__(self)

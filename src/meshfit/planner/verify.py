@@ -16,9 +16,12 @@ them: an 8B model at 64 ranks needs about 0.5 GB of RSS. Loss values are fake an
 metrics record of a real step (which gathers every rank's peak) is not produced. Where torch would read
 data from peers or from tensors, `meshfit.planner.fake_world` answers for them.
 
+With offload the dry run counts as a GPU rank would: the host-resident shards are off the tally (a real
+CPU rank counts them: there the host is its own memory; its record reports them as `offloaded`).
+
 Agreement with real multi-process gloo runs of the tiny model (step peaks): identical bytes for DDP,
-ZeRO-1/2/3, HSDP, TP + SP + loss parallel, activation checkpointing and offload in fp32, and for every
-layout at one rank in mixed precision. Two known differences, both making the dry run lower: on gloo a
+ZeRO-1/2/3, HSDP, TP + SP + loss parallel, activation checkpointing and offload (the real peak less its
+`offloaded` bytes) in fp32, and for every layout at one rank in mixed precision. Two known differences, both making the dry run lower: on gloo a
 reduce-scatter receives chunks the size of its input (parallel/host_reduce.py), and one reduced in the
 background keeps its input, its chunks and the block's shard through the next block's backward (NCCL does
 neither; CPU plans count both), which shows when the peak falls in backward; a real pipeline send holds its
@@ -144,6 +147,7 @@ def _dry_run(cfg: Config, world: int, rank: int, steps: int, say: Callable[[str]
         env = RankEnv(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu"))
         # The mesh and the layout (TP, FSDP on meta) are built outside fake mode; allocations inside it.
         run = build_run(cfg, env, None, materialize=lambda: fake)
+        run.tracker.stand_in_for_gpu()  # offloaded shards leave the tally, as they leave a GPU's memory
         stand_in_for_peers(run)
         say(f"[{time.perf_counter() - start:6.1f}s] rank {rank}/{world}: built")
         peaks = []
