@@ -181,6 +181,9 @@ class TrainSection(_Section):
     # A rank that makes no progress for this long (a step, a collective, a save) is hung: every rank
     # reports it and exits non-zero.
     timeout_s: float = 600.0
+    # torch.compile each transformer block (parallel/compile.py); the first steps, which compile, are
+    # reported once (`compile_s`) and left out of step-time figures.
+    compile: bool = False
 
     @field_validator("memory_budget", mode="before")
     @classmethod
