@@ -16,6 +16,7 @@ from meshfit.data import DataError, check_files
 from meshfit.models import ModelConfig
 from meshfit.models.hf_weights import safetensors_files
 from meshfit.models.config import pad_vocab_for_tp
+from meshfit.parallel.compile import toolchain_error
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline import StagePlan, plan_stages
 from meshfit.parallel.rules import default_zero_stage, layout_error
@@ -142,6 +143,25 @@ def _check_memory(cfg: Config) -> None:
                           "is what enforces it there); use train.memory_tracking=auto or full, or drop the budget")
 
 
+def _check_compile(cfg: Config) -> None:
+    """train.compile: some step must run compiled, and this machine must be able to build the kernels."""
+    train = cfg.train
+    if not train.compile:
+        return
+    on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
+    # The memory tracker is a TorchDispatchMode, under which torch.compile does not run: tracked steps run
+    # the blocks eagerly. With every step tracked no step would run compiled.
+    if train.memory_tracking == "full" or (train.memory_budget is not None and on_cpu):
+        why = ("train.memory_tracking=full tracks every step" if train.memory_tracking == "full" else
+               "train.memory_budget on CPU is enforced by tracking every step")
+        raise ConfigError(f"train.compile=true: {why}, and tracked steps run the blocks eagerly (torch.compile "
+                          "cannot run under the per-operator memory tracker), so no step would run compiled; use "
+                          "train.memory_tracking=auto or off" + (" and drop the budget" if train.memory_budget
+                                                                  is not None and on_cpu else ""))
+    if error := toolchain_error("cpu" if on_cpu else "cuda"):
+        raise ConfigError(error)
+
+
 def _padded(cfg: Config, model: ModelConfig, tp: int) -> ModelConfig:
     """The vocabulary padded to a multiple of tp, unless model.pad_vocab_to was set (then tp must divide the
     padded size: a fixed padding keeps checkpoints loadable under every layout that divides it)."""
@@ -171,6 +191,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     _check_data(cfg, model.vocab_size)
     _check_init_from(cfg)
     _check_memory(cfg)
+    _check_compile(cfg)
     stage = _layout(cfg, dims)
     if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len, p.sp)):
         raise ConfigError(error)
