@@ -54,15 +54,20 @@ def main() -> None:
         for case in CASES:
             times[case].append(train_step(runs[case])["step_time_s"])
     med = {case: statistics.median(t) for case, t in times.items()}
+    low = {case: min(t) for case, t in times.items()}
     print(f"\nmodel {args.preset}, {args.batch} × {args.seq_len} tokens per step, 1 rank, "
           f"{args.threads} thread(s), medians of {args.rounds} interleaved steps after 2 warm-up steps")
     for case in CASES:
-        print(f"  {case[0]:8} ac={case[1]:4}: {med[case] * 1e3:8.1f} ms/step   first losses "
+        print(f"  {case[0]:8} ac={case[1]:4}: {med[case] * 1e3:8.1f} ms/step (fastest {low[case] * 1e3:7.1f})   "
+              f"first losses "
               f"{', '.join(f'{x:.6f}' for x in losses[case])}")
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
+        return f"{med[a] / med[b]:.2f}× (fastest steps {low[a] / low[b]:.2f}×)"
+
     for ac in ("none", "op"):
-        print(f"  compiled / eager, ac={ac}: {med[('compiled', ac)] / med[('eager', ac)]:.2f}×")
+        print(f"  compiled / eager, ac={ac}: {ratio(('compiled', ac), ('eager', ac))}")
     for mode in ("eager", "compiled"):
-        print(f"  op / none, {mode}: {med[(mode, 'op')] / med[(mode, 'none')]:.2f}×")
+        print(f"  op / none, {mode}: {ratio((mode, 'op'), (mode, 'none'))}")
 
 
 if __name__ == "__main__":
