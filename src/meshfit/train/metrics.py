@@ -146,7 +146,8 @@ class MetricsLog:
             self.writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged
         info = (f"loss {rec['loss']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
                 f"{rec['tokens_per_s']:.0f} tok/s | peak {fmt_bytes(rec['peak_mem_bytes'])}")
-        self.step_times.append(rec["step_time_s"])
+        if not rec.get("compile_s"):  # a step that compiled says nothing of the steps to come
+            self.step_times.append(rec["step_time_s"])
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
         elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps:
@@ -156,6 +157,8 @@ class MetricsLog:
         """Time left at this launch's mean step time (the first step, which warms up, left out when there
         are others)."""
         times = self.step_times[1:] or self.step_times
+        if not times:
+            return "?"
         return fmt_duration(max(0, self.total_steps - step) * sum(times) / len(times))
 
     def close(self) -> None:

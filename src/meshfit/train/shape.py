@@ -132,12 +132,17 @@ def _check_init_from(cfg: Config) -> None:
             raise ConfigError(str(exc)) from None
 
 
+def _on_cpu(device: str) -> bool:
+    """Whether train.device puts the run on CPU ranks."""
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
 def _check_memory(cfg: Config) -> None:
     train = cfg.train
     if train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda, but no CUDA device is visible to torch on this machine; use "
                           "train.device=cpu or auto")
-    on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
+    on_cpu = _on_cpu(train.device)
     if train.memory_tracking == "off" and train.memory_budget is not None and on_cpu:
         raise ConfigError("train.memory_tracking=off cannot enforce train.memory_budget on CPU (the memory tracker "
                           "is what enforces it there); use train.memory_tracking=auto or full, or drop the budget")
@@ -148,7 +153,7 @@ def _check_compile(cfg: Config) -> None:
     train = cfg.train
     if not train.compile:
         return
-    on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
+    on_cpu = _on_cpu(train.device)
     # The memory tracker is a TorchDispatchMode, under which torch.compile does not run: tracked steps run
     # the blocks eagerly. With every step tracked no step would run compiled.
     if train.memory_tracking == "full" or (train.memory_budget is not None and on_cpu):

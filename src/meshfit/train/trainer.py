@@ -218,7 +218,8 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
 
 
 def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
-    """One optimizer step; returns its metrics record (identical on every rank)."""
+    """One optimizer step; returns its metrics record (identical on every rank but for a compiled run's
+    `compile_s`, this rank's own)."""
     start, compiling = time.perf_counter(), compile_seconds()
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
