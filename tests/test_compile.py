@@ -59,6 +59,8 @@ def test_one_process_with_op_recompute_matches_eager_and_reports_compile_time_on
     assert records[0]["mem"][0]["activations"] > 0
     compiling = [r["step"] for r in records if r.get("compile_s")]
     assert compiling == [2], compiling  # the first untracked step compiles; no step after it does
+    # The compiler's own memory (RSS) does not send the steps after it back under the tracker (eager).
+    assert [r["step"] for r in records if r.get("blocks") == "eager"] == [1]
     assert compiled["compile_s"] == pytest.approx(records[1]["compile_s"]) and compiled["compile_s"] > 0
     # Steady figures leave out step 1, the compiling step and every eager (tracked) step.
     steady = [r for r in records[1:] if "compile_s" not in r and r.get("blocks") != "eager"]

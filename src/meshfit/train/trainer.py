@@ -245,6 +245,8 @@ def _compile_fields(run: Run, record: dict[str, Any], seconds: float) -> None:
             mem["breakdown_blocks"] = "eager"
     if seconds > 0:
         record["compile_s"] = seconds
+        if run.meter is not None:
+            run.meter.compiled()
         if run.env.rank == 0:
             print(f"compiled {compiled_blocks(run.model)} blocks in {seconds:.1f} s (step {run.step}, rank 0; "
                   "left out of step-time figures)", flush=True)
