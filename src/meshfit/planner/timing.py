@@ -83,10 +83,11 @@ HOST_MEM_BYTES_PER_S = 50e9
 # Fraction of the HBM peak an element-wise (foreach/fused) optimizer step reaches.
 HBM_EFFICIENCY = 0.8
 # Share of a block's eager element-wise bytes (models/traffic.py) a compiled block still moves. Assumed, from
-# counting meshfit's Llama block with each fused chain reading its inputs and writing its outputs once (RoPE's
-# seven ops become one kernel, silu·mul one, each residual add joins the next norm): 0.5 of the eager bytes
-# in forward at Llama-3 8B's shapes. Not measured on a GPU; on CPU the measured compiled/eager step time of
-# the `small` model is in README (benchmarks/compile_speed.py).
+# counting the forward of meshfit's Llama block with each fused chain reading its inputs and writing its
+# outputs once (RoPE's seven ops become one kernel, silu·mul one, each residual add joins the next norm):
+# 0.50 in fp32 at the `small` shapes, 0.53 in fp32 and 0.35 in bf16 at Llama-3 8B's; the planner takes 0.5
+# for every precision and for backward. Not measured on a GPU; on CPU the measured compiled/eager step time
+# of the `small` model is in README (benchmarks/compile_speed.py).
 COMPILED_ELEMENTWISE = 0.5
 # DDP's default gradient bucket (bucket_cap_mb=25): one all-reduce call per bucket.
 DDP_BUCKET_BYTES = 25 * 2**20
