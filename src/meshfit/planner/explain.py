@@ -188,8 +188,8 @@ def _compile_line(plan: Plan, best: Candidate) -> str:
                        "as measured, eagerly.")
     d = fmt_duration
     return (head + f"element-wise {d(eager.elementwise_s)} → {d(compiled.elementwise_s)}, "
-            f"step {d(eager.total_s)} → {d(compiled.total_s)} ({eager.total_s / compiled.total_s:.2f}× faster). Assumed: the blocks' fused "
-            f"element-wise kernels move {COMPILED_ELEMENTWISE:.0%} of the eager bytes (counted, not measured on a "
+            f"step {d(eager.total_s)} → {d(compiled.total_s)} ({eager.total_s / compiled.total_s:.2f}× faster). "
+            f"Assumed: the blocks' fused element-wise kernels move {COMPILED_ELEMENTWISE:.0%} of the eager bytes (counted, not measured on a "
             "GPU); matmuls, attention, communication and memory unchanged.")
 
 
