@@ -20,3 +20,10 @@ PYCHECK
   "$PY" -m pip install --quiet --disable-pip-version-check ${MESHFIT_TORCH:-torch==2.13.0}
 fi
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".${extras}"
+
+# train.compile on CPU: torch's inductor backend builds its kernels with a C++ compiler ($CXX, else g++).
+# Optional: without one everything else works, and a run that asks for compile is refused with this advice.
+if ! "${CXX:-g++}" --version >/dev/null 2>&1; then
+  echo "note: no working C++ compiler (${CXX:-g++}): train.compile=true on CPU needs one; install it" \
+       "(e.g. apt-get install g++) or point \$CXX at one" >&2
+fi

@@ -186,6 +186,9 @@ class TrainSection(_Section):
     # global batches, the same ones every time, so the values form one comparable curve.
     eval_every: int = Field(0, ge=0)
     eval_batches: int = 4
+    # torch.compile each transformer block (parallel/compile.py); the first steps, which compile, are
+    # reported once (`compile_s`) and left out of step-time figures.
+    compile: bool = False
 
     @field_validator("memory_budget", mode="before")
     @classmethod

@@ -90,6 +90,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
     g.add_argument("--attention", choices=ATTENTIONS, default="flash",
                    help="eager stores attention scores; flash (SDPA) does not")
     g.add_argument("--dropout", type=probability, default=0.0, metavar="P", help="dropout probability (default 0)")
+    g.add_argument("--compile", action="store_true",
+                   help="blocks under torch.compile (train.compile): their element-wise kernels fused" +
+                        ("; not for verify, whose dry run runs the blocks eagerly" if single_layout else ""))
     g.add_argument("--activation-checkpointing", choices=AC_MODES, default=None,
                    help="fix the checkpointing mode (default: evaluate all)")
     g = parser.add_argument_group("output")
@@ -140,7 +143,8 @@ def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
                                  f"--seq-len={args.seq_len}")
         batch = args.global_batch_tokens // args.seq_len
     workload = Workload(seq_len=args.seq_len, global_batch=batch or 4 * world, precision=args.precision,
-                        optimizer=args.optimizer, attention=args.attention, dropout=args.dropout)
+                        optimizer=args.optimizer, attention=args.attention, dropout=args.dropout,
+                        compiled=args.compile)
     workload.check()
     return workload
 
@@ -294,6 +298,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from meshfit.planner.estimate import estimate_memory, usable_bytes
     from meshfit.planner.verify import verify_layout
 
+    if args.compile:
+        raise PlanInputError("--compile: meshfit verify's dry run runs under the memory tracker, where "
+                             "torch.compile does not run, so it can only measure eager blocks (the planner "
+                             "assumes compiled blocks keep the same memory); verify without --compile")
     name, model = resolve_model(args.model, args.dims)
     layout = layout_from_args(args)
     cluster = resolve_cluster(args, rates=False)

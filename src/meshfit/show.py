@@ -25,6 +25,7 @@ from rich.table import Table
 from meshfit import runfiles
 from meshfit.paths import PathError, read_text
 from meshfit.runfiles import MEM_CATEGORIES, REQUIRED_KEYS, ShowError, read_config, read_result
+from meshfit.train.steady import steady_records
 from meshfit.units import fmt_bytes
 
 METRICS = "metrics.jsonl"
@@ -192,9 +193,9 @@ def layout_label(result: dict[str, Any] | None, config: dict[str, Any], world: i
     return ", ".join([mesh, *extras])
 
 
-def _steady(values: list[float]) -> list[float]:
-    # Step 1 includes warm-up (allocator, first gathers, lazy optimizer state): leave it out when we can.
-    return values[1:] if len(values) > 1 else values
+def _steady(records: list[dict[str, Any]], key: str) -> list[float]:
+    # Warm-up (step 1), compiling and eager-tracked compiled steps left out when we can (train/steady.py).
+    return [r[key] for r in steady_records(records) if r.get(key) is not None]
 
 
 def _median(values: list[float]) -> float | None:
@@ -216,9 +217,9 @@ def most_loaded(run: RunView) -> tuple[int, int | None]:
 def summary_row(run: RunView) -> dict[str, str]:
     recs = run.records
     planned = (run.config.get("train") or {}).get("steps")
-    tps = _median(_steady([r["tokens_per_s"] for r in recs]))
-    step_s = _median(_steady([r["step_time_s"] for r in recs]))
-    mfus = _median(_steady([r["mfu"] for r in recs if r.get("mfu") is not None]))
+    tps = _median(_steady(recs, "tokens_per_s"))
+    step_s = _median(_steady(recs, "step_time_s"))
+    mfus = _median(_steady(recs, "mfu"))
     peak, rank = most_loaded(run)
     return {
         "run": str(run.path), "layout": run.layout,
@@ -242,8 +243,8 @@ def _last_val(recs: list[dict[str, Any]]) -> str:
 
 def summary_table(runs: list[RunView]) -> Table:
     rows = [summary_row(r) for r in runs]
-    table = Table(title="runs", caption="medians over steps 2+; val loss: the latest, @ its step; peak mem: the "
-                                        "most-loaded rank over all steps")
+    table = Table(title="runs", caption="medians over steps 2+ (without compiling steps); val loss: the latest, "
+                  "@ its step; peak mem: the most-loaded rank over all steps")
     for column in rows[0]:
         table.add_column(column, justify="left" if column in ("run", "layout", "status") else "right")
     for row in rows:

@@ -105,6 +105,13 @@ class MemoryMeter:
         self._baseline = max(self._baseline, counter)
         return per_rank, retracked
 
+    def compiled(self) -> None:
+        """The step just recorded compiled (train.compile): the counter's growth in it is the compiler's own
+        memory, and a re-tracked step would run the blocks eagerly, so the counter becomes the baseline
+        instead of the next step being tracked again."""
+        self._retrack = False
+        self._baseline = max(self._baseline, self._reading or 0)
+
     def _carry(self, counters: list[tuple[int, bool]]) -> list[dict[str, Any]]:
         self._retrack = any(grew for _, grew in counters)
         key = _counter_key(self.device)

@@ -2,8 +2,9 @@
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
 tensor parallelism (DTensor) -> activation checkpointing (and, under sequence parallelism, re-gathering
-in backward) -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize
-(identical full weights in every layout) -> DDP for the replicated stage 0.
+in backward) -> torch.compile of each block (train.compile) -> data-parallel sharding (FSDP2, still on
+meta) -> materialize and initialize (identical full weights in every layout) -> DDP for the replicated
+stage 0.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfit.config import ParallelSection
 from meshfit.models import ModelConfig, init_weights
 from meshfit.parallel.activation import apply_activation_checkpointing, keeps_block_graph
+from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.kinds import data_parallel_kind
@@ -26,22 +28,25 @@ from meshfit.parallel.tensor_parallel import apply_tensor_parallel, gathered_inp
 
 
 def apply_model_parallel(model: nn.Module, model_cfg: ModelConfig, tp_mesh: DeviceMesh | None,
-                         parallel: ParallelSection) -> None:
+                         parallel: ParallelSection, compile_blocks: bool = False) -> None:
     """The layout's steps inside the model, on meta: tensor (and sequence) parallelism over `tp_mesh`
-    (None: no tensor parallelism), then activation checkpointing."""
+    (None: no tensor parallelism), then activation checkpointing, then torch.compile of each block."""
     if tp_mesh is not None:
         apply_tensor_parallel(model, model_cfg, tp_mesh, sp=parallel.sp, loss_parallel=parallel.loss_parallel)
     if parallel.activation_checkpointing != "none":
         apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
     if tp_mesh is not None and parallel.sp:
         # Blocks that keep their graph keep only the sequence shard of their gathered inputs; checkpointed
-        # blocks keep nothing of them anyway.
+        # blocks keep nothing of them anyway. Compiled blocks keep them: the re-gathering works through
+        # saved-tensor hooks, which torch.compile cannot trace (op-level recompute gathers them again).
         for block in model.layers.values():
-            if keeps_block_graph(block):
+            if keeps_block_graph(block) and not compile_blocks:
                 for region, projections in gathered_input_regions(block, model_cfg.family):
                     regather_in_backward(region, projections)
-        if model.output is not None:  # the head gathers the final norm's output itself
+        if model.output is not None:  # the head (never compiled) gathers the final norm's output itself
             regather_in_backward(model.output, [model.output])
+    if compile_blocks:  # after the recompute wrappers, so recompute is traced into each block's graph
+        apply_compile(model)
 
 
 def _buffers_on(model: nn.Module, device: torch.device) -> None:
@@ -57,14 +62,16 @@ def _buffers_on(model: nn.Module, device: torch.device) -> None:
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
                 parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
                 device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None = None,
-                materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> nn.Module:
+                materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                compile_blocks: bool = False) -> nn.Module:
     """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it.
 
     `weights`: full starting weights by name (model.init_from) instead of the seeded initialization.
     `materialize` is entered around the steps that allocate (materialization, initialization, DDP): a
     dry run passes a FakeTensorMode there, while the layout itself is applied on meta outside it.
     """
-    apply_model_parallel(model, model_cfg, meshes.world["tp"] if dims.tp > 1 else None, parallel)
+    tp_mesh = meshes.world["tp"] if dims.tp > 1 else None
+    apply_model_parallel(model, model_cfg, tp_mesh, parallel, compile_blocks)
     kind = data_parallel_kind(zero_stage, dims.dp, dims.tp, mixed_precision)
     # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
     if kind in ("fsdp", "replicas"):

@@ -166,7 +166,8 @@ class Workload:
     precision: "fp32"; "mixed" = 16-bit compute copies with fp32 master weights, gradients reductions and
     optimizer states (meshfit's mixed precision); "bf16" = pure bf16 weights, gradients and states.
     attention: "eager" stores the attention scores; "flash" (fused SDPA) keeps only its output and a
-    log-sum-exp. dropout: the model's dropout probability (GPT family; 0 = no masks kept).
+    log-sum-exp. dropout: the model's dropout probability (GPT family; 0 = no masks kept). compiled: the
+    blocks run under torch.compile (train.compile), which fuses their element-wise kernels (planner/timing.py).
     """
 
     seq_len: int
@@ -175,6 +176,7 @@ class Workload:
     optimizer: str = "adamw"
     attention: str = "flash"
     dropout: float = 0.0
+    compiled: bool = False
 
     def check(self) -> None:
         for name in ("seq_len", "global_batch"):

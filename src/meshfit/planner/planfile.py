@@ -86,4 +86,6 @@ def plan_sections(model: ModelConfig, workload: Workload, layout: Layout) -> dic
     sections["model"]["attention"] = workload.attention  # the planned kernel is the one trained
     sections["train"].update(seq_len=workload.seq_len, global_batch=workload.global_batch)
     sections["parallel"]["mixed_precision"] = workload.precision == "mixed"
+    if workload.compiled:  # the planned step is the compiled one
+        sections["train"]["compile"] = True
     return sections

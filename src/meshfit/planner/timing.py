@@ -12,6 +12,11 @@ literature it cites and the way meshfit's torch building blocks communicate:
 * Element-wise kernels (norms, RoPE, activations, residual adds, casts, the loss's softmax) are memory-bound:
   the bytes they read and write per token (``models.traffic``, counted from meshfit's model code) at the
   memory bandwidth: the calibrated element-wise rate, else HBM_EFFICIENCY × the datasheet HBM rate.
+* Compiled blocks (``Workload.compiled``, train.compile): inductor fuses each chain of element-wise ops into
+  one kernel that reads its inputs and writes its outputs once, so a block moves COMPILED_ELEMENTWISE of
+  its eager element-wise bytes, and op-level recompute's re-run element-wise forward the same fraction
+  (it is fused into the backward's kernels). Matmul, attention and communication terms are unchanged, and
+  so is memory (the planner assumes a compiled block keeps what an eager one keeps).
 * Collectives are rings (Patarasuk & Yuan 2009; NCCL): all-reduce 2(n−1)/n · bytes/bw, all-gather and
   reduce-scatter (n−1)/n · bytes/bw, plus a latency alpha per hop and call ((n−1) hops, twice for an
   all-reduce, which is a reduce-scatter followed by an all-gather).
@@ -77,6 +82,13 @@ PCIE_BYTES_PER_S = 25e9
 HOST_MEM_BYTES_PER_S = 50e9
 # Fraction of the HBM peak an element-wise (foreach/fused) optimizer step reaches.
 HBM_EFFICIENCY = 0.8
+# Share of a block's eager element-wise bytes (models/traffic.py) a compiled block still moves. Assumed, from
+# counting the forward of meshfit's Llama block with each fused chain reading its inputs and writing its
+# outputs once (RoPE's seven ops become one kernel, silu·mul one, each residual add joins the next norm):
+# 0.50 in fp32 at the `small` shapes, 0.53 in fp32 and 0.35 in bf16 at Llama-3 8B's; the planner takes 0.5
+# for every precision and for backward. Not measured on a GPU; on CPU the measured compiled/eager step time
+# of the `small` model is in README (benchmarks/compile_speed.py).
+COMPILED_ELEMENTWISE = 0.5
 # DDP's default gradient bucket (bucket_cap_mb=25): one all-reduce call per bucket.
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -327,6 +339,8 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     # Memory-bound element-wise work, unless a rate measured on the model itself holds it already.
     in_rate = prof is not None and (prof.model_flops is not None or tp_rate is not None)
     ew = (0.0, 0.0, 0.0, 0.0) if in_rate else _elementwise_bytes(model, layout, cbytes)
+    if workload.compiled:  # the blocks' element-wise chains fuse; embeddings, head and loss stay eager
+        ew = (ew[0] * COMPILED_ELEMENTWISE, ew[1] * COMPILED_ELEMENTWISE, ew[2], ew[3])
     bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
     # Stages split by FLOPs, as the pipeline splits them; the most loaded rank by time per token, element-wise
     # work included (a large vocabulary's loss can outweigh several blocks).

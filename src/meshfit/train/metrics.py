@@ -150,7 +150,8 @@ class MetricsLog:
                 f"{rec['tokens_per_s']:.0f} tok/s | peak {fmt_bytes(rec['peak_mem_bytes'])}")
         if "val_loss" in rec:
             info = f"{info} | val {rec['val_loss']:.4f}"
-        self.step_times.append(rec["step_time_s"])
+        if not rec.get("compile_s"):  # a step that compiled says nothing of the steps to come
+            self.step_times.append(rec["step_time_s"])
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
         elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps or "val_loss" in rec:
@@ -160,6 +161,8 @@ class MetricsLog:
         """Time left at this launch's mean step time (the first step, which warms up, left out when there
         are others)."""
         times = self.step_times[1:] or self.step_times
+        if not times:
+            return "?"
         return fmt_duration(max(0, self.total_steps - step) * sum(times) / len(times))
 
     def close(self) -> None:

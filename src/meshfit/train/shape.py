@@ -16,6 +16,7 @@ from meshfit.data import DataError, check_files
 from meshfit.models import ModelConfig
 from meshfit.models.hf_weights import safetensors_files
 from meshfit.models.config import pad_vocab_for_tp
+from meshfit.parallel.compile import toolchain_error
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline import StagePlan, plan_stages
 from meshfit.parallel.rules import default_zero_stage, layout_error
@@ -132,15 +133,39 @@ def _check_init_from(cfg: Config) -> None:
             raise ConfigError(str(exc)) from None
 
 
+def _on_cpu(device: str) -> bool:
+    """Whether train.device puts the run on CPU ranks."""
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
 def _check_memory(cfg: Config) -> None:
     train = cfg.train
     if train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda, but no CUDA device is visible to torch on this machine; use "
                           "train.device=cpu or auto")
-    on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
+    on_cpu = _on_cpu(train.device)
     if train.memory_tracking == "off" and train.memory_budget is not None and on_cpu:
         raise ConfigError("train.memory_tracking=off cannot enforce train.memory_budget on CPU (the memory tracker "
                           "is what enforces it there); use train.memory_tracking=auto or full, or drop the budget")
+
+
+def _check_compile(cfg: Config) -> None:
+    """train.compile: some step must run compiled, and this machine must be able to build the kernels."""
+    train = cfg.train
+    if not train.compile:
+        return
+    on_cpu = _on_cpu(train.device)
+    # The memory tracker is a TorchDispatchMode, under which torch.compile does not run: tracked steps run
+    # the blocks eagerly. With every step tracked no step would run compiled.
+    if train.memory_tracking == "full" or (train.memory_budget is not None and on_cpu):
+        why = ("train.memory_tracking=full tracks every step" if train.memory_tracking == "full" else
+               "train.memory_budget on CPU is enforced by tracking every step")
+        raise ConfigError(f"train.compile=true: {why}, and tracked steps run the blocks eagerly (torch.compile "
+                          "cannot run under the per-operator memory tracker), so no step would run compiled; use "
+                          "train.memory_tracking=auto or off" + (" and drop the budget" if train.memory_budget
+                                                                  is not None and on_cpu else ""))
+    if error := toolchain_error("cpu" if on_cpu else "cuda"):
+        raise ConfigError(error)
 
 
 def _padded(cfg: Config, model: ModelConfig, tp: int) -> ModelConfig:
@@ -173,6 +198,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     check_held_out(cfg)
     _check_init_from(cfg)
     _check_memory(cfg)
+    _check_compile(cfg)
     stage = _layout(cfg, dims)
     if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len, p.sp)):
         raise ConfigError(error)

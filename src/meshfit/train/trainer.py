@@ -33,6 +33,7 @@ from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.data_parallel import GradientStash, gradient_stash, set_micro_batch
 from meshfit.parallel.host_reduce import HostReduceScatter, host_reduce_scatter
+from meshfit.parallel.compile import compile_seconds, compiled_blocks, eager_blocks
 from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
@@ -47,6 +48,7 @@ from meshfit.train.metrics import MetricsLog, mfu, peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
 from meshfit.train.pipelined import Pipe, build_pipeline, pipeline_step
 from meshfit.train.shape import RunShape, resolve_run
+from meshfit.train.steady import steady_records
 from meshfit.train.vote import Ballot, Tally, Vote
 
 
@@ -92,7 +94,8 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
     else:
         model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
-                            device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize)
+                            device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize,
+                            compile_blocks=cfg.train.compile)
     optimizer = build_optimizer(model, cfg.train)
     source, held = data_sources(cfg, model_cfg.vocab_size, str(run_dir) if run_dir else None)
     # Named by data.path: tokenized text is an in-memory array, which would otherwise be "token array".
@@ -218,8 +221,9 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
 
 
 def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
-    """One optimizer step; returns its metrics record (identical on every rank)."""
-    start = time.perf_counter()
+    """One optimizer step; returns its metrics record (identical on every rank but for a compiled run's
+    `compile_s`, this rank's own)."""
+    start, compiling = time.perf_counter(), compile_seconds()
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
     _, grad_norm, vote = measured_step(run, inputs, targets, guard, read=True)
@@ -227,9 +231,28 @@ def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     run.step += 1
     record = _record(run, tally, float(grad_norm), lr, elapsed)
+    if run.cfg.train.compile:
+        _compile_fields(run, record, compile_seconds() - compiling)
     if guard is not None and guard.skipped:
         record["skipped"] = True
     return record
+
+
+def _compile_fields(run: Run, record: dict[str, Any], seconds: float) -> None:
+    """A compiled run's step says whether its blocks ran eagerly (under the memory tracker, which
+    torch.compile does not support) and how long this rank spent compiling in it."""
+    if any(m.get("measured") == "tracker" for m in record["mem"]):
+        record["blocks"] = "eager"
+    for mem in record["mem"]:  # a breakdown, measured or carried over, is an eager step's
+        if mem.get("measured") in ("tracker", "carried"):
+            mem["breakdown_blocks"] = "eager"
+    if seconds > 0:
+        record["compile_s"] = seconds
+        if run.meter is not None:
+            run.meter.compiled()
+        if run.env.rank == 0:
+            print(f"compiled {compiled_blocks(run.model)} blocks in {seconds:.1f} s (step {run.step}, rank 0; "
+                  "left out of step-time figures)", flush=True)
 
 
 def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
@@ -243,7 +266,10 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     micro = run.shape.micro_batch
     tracking = run.meter is None or run.meter.tracking()
     try:
-        with run.tracker if tracking else contextlib.nullcontext():
+        # The tracker is a TorchDispatchMode, under which torch.compile cannot run: tracked steps run the
+        # blocks eagerly, and their breakdown is an eager step's (the record says so).
+        eager = tracking and run.cfg.train.compile
+        with run.tracker if tracking else contextlib.nullcontext(), eager_blocks(eager):
             if run.pipe is not None:
                 run.tracker.reset_mod_stats()
                 run.tracker.phase = "pipeline forward/backward"
@@ -300,8 +326,13 @@ def summarize(run: Run) -> dict[str, Any]:
         "val_losses": [{"step": r["step"], "val_loss": r["val_loss"]} for r in history if "val_loss" in r],
         "peak_mem_bytes": max((r["peak_mem_bytes"] for r in history), default=0),
         "mem": history[-1]["mem"] if history else [],
-        "mean_step_time_s": sum(r["step_time_s"] for r in history[1:]) / max(1, len(history) - 1),
+        "mean_step_time_s": _mean([r["step_time_s"] for r in steady_records(history)]),
+        **({"compile_s": sum(r.get("compile_s", 0.0) for r in history)} if run.cfg.train.compile else {}),
     }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(1, len(values))
 
 
 def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
