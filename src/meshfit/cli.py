@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from meshfit.train.launch import launch, under_torchrun
+    from meshfit.train.launch import launch, tell_torchrun, under_torchrun
 
     overrides, sections = args.overrides, None
     if args.plan:
@@ -145,8 +145,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or _default_run_dir("train")
     outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts, overwrite=args.overwrite)
     if under_torchrun():
+        if outcome.ok and os.environ.get("RANK") == "0":
+            _report(outcome, cfg, run_dir)  # the closing line, once for the job
+        elif not outcome.ok:
+            tell_torchrun(f"error: {outcome.message}")
         # Leave without interpreter teardown (gloo's teardown race); exit code tells torchrun the outcome.
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0 if outcome.ok else 1)
     return _report(outcome, cfg, run_dir)
 
@@ -301,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if args.command == "train":
+            from meshfit.train.launch import tell_torchrun
+
+            tell_torchrun(f"error: {exc}")
         return 2
     except KeyboardInterrupt:
         print("interrupted (SIGINT); nothing was saved", file=sys.stderr)

@@ -79,6 +79,23 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def tell_torchrun(message: str) -> None:
+    """Under an outer torchrun, hand this rank's error line to torchrun, whose closing summary then shows it
+    as the failure's cause (`traceback : error: …`) instead of a pointer to its documentation.
+
+    torchrun names the file in TORCHELASTIC_ERROR_FILE; the JSON is the layout its own @record handler
+    writes, with the one line where that handler puts the Python traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not under_torchrun() or not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                            "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(record))
+    except OSError:
+        pass  # torchrun then says what it says without it; the line is on the console already
+
+
 def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: int | None) -> str:
     """One line before training: what runs, where, and for how long."""
     from meshfit.models.config import num_params
