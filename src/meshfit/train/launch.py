@@ -22,6 +22,7 @@ from typing import Any
 
 from meshfit.config import Config
 from meshfit.jsonfile import json_object_or_none
+from meshfit.lifeline import LAUNCHER_ENV, kill_children
 from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
 
@@ -179,6 +180,7 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
         raise SignalException("Ctrl-C", sigval=signal.SIGTERM)
 
     previous = signal.signal(signal.SIGINT, ctrl_c)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks end when this process does (lifeline.py)
     try:
         elastic_launch(config, sys.executable)("-m", "meshfit.train.worker", str(run_dir), str(config_file),
                                                "--launched")
@@ -189,6 +191,10 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
         return {}, received[0] if received else signal.Signals(exc.sigval).name
     finally:
         signal.signal(signal.SIGINT, previous)
+        del os.environ[LAUNCHER_ENV]
+        # torch's agent ends the ranks of a launch that fails; not those it had started when starting
+        # another failed (e.g. out of processes or memory). The config file names this launch's ranks.
+        kill_children(str(config_file))
     return {}, "".join(received)
 
 
@@ -234,7 +240,10 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
         # training begins (a failed start leaves the run's files as they were).
         config_file = Path(tmp) / "config.yaml"
         config_file.write_text(cfg.to_yaml())
-        codes, received = _launch_local(run_dir, config_file, nproc, max_restarts, cfg.train.timeout_s)
+        try:
+            codes, received = _launch_local(run_dir, config_file, nproc, max_restarts, cfg.train.timeout_s)
+        except OSError as exc:  # e.g. fork or exec refused: no more processes or memory for them
+            return Outcome(ok=False, failure={"rank": -1, "message": f"could not start {nproc} local ranks: {exc}"})
     return _outcome(run_dir, collect(run_dir, codes, since), received, since)
 
 
