@@ -129,5 +129,5 @@ def test_under_torchrun_the_last_lines_are_meshfits(tmp_path):
     cause = lines[lines.index("Root Cause (first observed failure):"):]
     assert cause[-1].startswith("=====") and cause[-2].startswith("  traceback : error: parallel.dp_shard is "
                                                                   "unset"), cause
-    assert "world size 2" in cause[-2]
+    assert "world size is 2" in cause[-2]
     assert not (tmp_path / "runs" / "bad").exists()

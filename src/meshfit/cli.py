@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshfit.capacity import check_local_ranks
+from meshfit.capacity import RANK_MIN_BYTES, RANKS_PER_CORE, check_local_ranks
 from meshfit.config import ConfigError, load_config
 from meshfit.names import did_you_mean
 from meshfit.plan_cli import add_plan_arguments, positive_int
@@ -32,8 +32,8 @@ examples:
 """
 
 
-_OVERSUBSCRIBE = ("start more local ranks than this machine holds (4 per core, at least 100 MiB of available "
-                  "memory each; refused without it)")
+_OVERSUBSCRIBE = (f"start more local ranks than this machine holds ({RANKS_PER_CORE} per core, at least "
+                  f"{RANK_MIN_BYTES // 2**20} MiB of available memory each; refused without it)")
 
 
 def _default_run_dir(kind: str) -> Path:

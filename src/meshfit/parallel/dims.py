@@ -57,9 +57,9 @@ class ParallelDims:
                 given = (f"parallel.dp_shard is unset, so data parallelism ({free[0]}) takes the ranks the other "
                          "degrees leave, but " if implied else f"parallel.{free[0]}=-1: ")
                 raise ValueError(
-                    f"{given}the other degrees multiply to {others} = {known}, which does not divide "
-                    f"the world size {world_size}; choose degrees whose product divides {world_size} "
-                    f"(divisors: {', '.join(map(str, divisors(world_size)))})"
+                    f"{given}the other degrees multiply to {others} = {known}, and the world size is "
+                    f"{world_size}, which {known} does not divide; choose degrees whose product divides "
+                    f"{world_size} (divisors: {', '.join(map(str, divisors(world_size)))})"
                 )
             degrees[free[0]] = world_size // known
         dims = cls(**degrees)

@@ -191,7 +191,7 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
         return {}, received[0] if received else signal.Signals(exc.sigval).name
     finally:
         signal.signal(signal.SIGINT, previous)
-        del os.environ[LAUNCHER_ENV]
+        os.environ.pop(LAUNCHER_ENV, None)
         # torch's agent ends the ranks of a launch that fails; not those it had started when starting
         # another failed (e.g. out of processes or memory). The config file names this launch's ranks.
         kill_children(str(config_file))
