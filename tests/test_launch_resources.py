@@ -111,17 +111,19 @@ def _meshfit(tag: str, *args: str, **env: str) -> subprocess.Popen:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("command, processes", [
     (["train", "--nproc", "2", "--set", "train.steps=500"], 3),  # the launcher and 2 ranks
-    (["calibrate", "--nproc", "2", "--quick"], 5),  # + multiprocessing's fork server and resource tracker
+    (["calibrate", "--nproc", "2"], 5),  # + multiprocessing's fork server and resource tracker
 ], ids=["train", "calibrate"])
 def test_a_killed_launcher_takes_its_ranks_along(tmp_path, command, processes):
     """As when the out-of-memory killer picks the launcher: nothing is left waiting for it."""
     tag = uuid.uuid4().hex
     args = [*command, "--run-dir", str(tmp_path / "r")] if command[0] == "train" else command
     launcher = _meshfit(tag, *args)
+    # Training ranks: once they train (the first step is logged); calibrate's: once forked.
+    ready = (lambda: (tmp_path / "r" / "metrics.jsonl").exists()) if command[0] == "train" else (lambda: True)
     deadline = time.monotonic() + 120
-    while len(_tagged(tag)) < processes and time.monotonic() < deadline:
+    while not (len(_tagged(tag)) >= processes and ready()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(_tagged(tag)) >= processes, "the ranks did not start"
+    assert len(_tagged(tag)) >= processes and ready(), "the ranks did not start"
     launcher.kill()
     launcher.wait()
     assert _gone(tag, within_s=10) == []
