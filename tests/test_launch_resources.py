@@ -158,3 +158,30 @@ def test_run_ranks_ends_every_rank_when_one_fails(tmp_path):
     pids = [int(p.name) for p in tmp_path.iterdir()]
     assert len(pids) == 2
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_ranks_started_before_a_failing_start_are_ended(tmp_path, monkeypatch):
+    """The second rank cannot be started (as when the machine is out of processes or memory): the first,
+    already running, is ended, and the launch fails with one message instead of a traceback."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    from meshfit.config import load_config
+    from meshfit.train.launch import launch
+
+    started = []
+    real_popen = subprocess_handler.Popen
+
+    def popen(*args, **kwargs):
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess_handler, "Popen", popen)
+    outcome = launch(load_config(None, ["train.steps=2"]), tmp_path / "r", nproc=2)
+    assert not outcome.ok
+    assert outcome.message == "could not start 2 local ranks: [Errno 11] Resource temporarily unavailable"
+    assert len(started) == 1 and started[0].poll() is not None  # ended (and reaped)
+    assert not Path(f"/proc/{started[0].pid}").exists()
