@@ -138,3 +138,33 @@ def announced_save_job(cfg_dict: dict[str, Any], run_dir: str) -> str:
     with contextlib.redirect_stderr(printed):
         train_job(cfg_dict, run_dir)
     return printed.getvalue()
+
+
+def ddp_buffers_job() -> dict[str, Any]:
+    """Wrap a module with a buffer in meshfit's DDP on these ranks; each rank then writes its rank into the
+    buffer and runs a forward and backward. Returns the warnings DDP raised and the buffer afterwards."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from meshfit.parallel.data_parallel import apply_ddp
+    from meshfit.parallel.dims import ParallelDims
+
+    class WithBuffer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("table", torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) + self.table.sum()
+
+    meshes = ParallelDims(dp_replicate=dist.get_world_size(), dp_shard=1, tp=1, pp=1).build_mesh("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = apply_ddp(WithBuffer(), meshes)
+    model.module.table.fill_(float(dist.get_rank()))
+    model(torch.ones(2, 4)).sum().backward()
+    return {"warnings": [str(w.message) for w in caught], "buffer": model.module.table.tolist()}

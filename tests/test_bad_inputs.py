@@ -233,7 +233,10 @@ DATA = [
 ]
 
 LAYOUT = [
-    case("world-size-mismatch", "train --nproc 2 --set parallel.tp=4", "world size is 2", "-1"),
+    case("world-size-mismatch", "train --nproc 2 --set parallel.tp=4", "dp_shard is unset", "tp=4",
+         "world size is 2", "divisors: 1, 2"),
+    case("world-size-mismatch-explicit", "train --nproc 2 --set parallel.tp=4 --set parallel.dp_shard=1",
+         "world size is 2", "-1"),
     case("tp-not-dividing-heads", "train --nproc 3 --set parallel.tp=3", "parallel.tp=3", "model.n_heads=4",
          ": 1, 2"),
     case("two-rest-degrees", "train --set parallel.tp=-1 --set parallel.dp_shard=-1", "at most one degree",

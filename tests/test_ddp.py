@@ -43,3 +43,13 @@ def test_ddp_memory_breakdown_is_a_full_replica(reference):
         assert rank_mem["rest"]["grads"] == one["params"] and rank_mem["max"]["other"] < one["params"] / 10
     # Half the local batch per rank: fewer activations than the single process at its forward peak.
     assert ddp["mem"][0]["activations"] < one["activations"]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_sends_no_buffers_before_forward_and_no_deprecation_warning():
+    from dist_jobs import ddp_buffers_job
+
+    ranks = run_ranks(ddp_buffers_job, 2)
+    for rank, out in enumerate(ranks):
+        assert not [w for w in out["warnings"] if "deprecated" in w], out["warnings"]
+        assert out["buffer"] == [float(rank)] * 3  # rank 0's buffer was not broadcast before the forward

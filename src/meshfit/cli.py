@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshfit.capacity import RANK_MIN_BYTES, RANKS_PER_CORE, check_local_ranks
 from meshfit.config import ConfigError, load_config
 from meshfit.names import did_you_mean
 from meshfit.paths import PathError
@@ -30,6 +31,10 @@ examples:
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m meshfit train --config run.toml           multi-node: one launch per node
 """
+
+
+_OVERSUBSCRIBE = (f"start more local ranks than this machine holds ({RANKS_PER_CORE} per core, at least "
+                  f"{RANK_MIN_BYTES // 2**20} MiB of available memory each; refused without it)")
 
 
 def _default_run_dir(kind: str) -> Path:
@@ -66,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "are deleted); without it such a start is refused")
     train.add_argument("--resume-from", type=Path, metavar="CHECKPOINT",
                        help="continue from exactly this step-N checkpoint folder (no fallback)")
+    train.add_argument("--oversubscribe", action="store_true", help=_OVERSUBSCRIBE)
     train.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="with --nproc: restart every rank up to N times after a rank fails; each "
                             "restart resumes from the latest complete checkpoint (default 0)")
@@ -90,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
     demo.add_argument("--nproc", type=positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's output in --run-dir")
+    demo.add_argument("--oversubscribe", action="store_true", help=_OVERSUBSCRIBE)
     cal = sub.add_parser("calibrate", help="measure this machine's compute, memory and collective rates for "
                          "`meshfit plan --hardware`")
     cal.add_argument("--nproc", type=positive_int, default=2, metavar="N",
@@ -108,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--quick", action="store_true",
                      help="shorter measurements (a third of the time; its compute rates read 20–25%% high)")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    cal.add_argument("--oversubscribe", action="store_true", help=_OVERSUBSCRIBE)
     show = sub.add_parser("show", help="summary table and plots (loss, tokens/s, per-rank memory) of runs")
     show.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories of meshfit train")
     show.add_argument("--out", type=Path, metavar="DIR", help="folder for the PNG plots (default: the run "
@@ -116,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from meshfit.train.launch import launch, under_torchrun
+    from meshfit.train.launch import launch, tell_torchrun, under_torchrun
 
     overrides, sections = args.overrides, None
     if args.plan:
@@ -140,14 +148,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
             overrides.append(f"checkpoint.resume_from={args.resume_from}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
+    if args.nproc and args.nproc > 1 and not under_torchrun():
+        check_local_ranks(args.nproc, args.oversubscribe)
     cfg = load_config(args.config, overrides, sections)
     if args.resume and not args.run_dir and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs the run to continue: give its --run-dir (or checkpoint.dir)")
     run_dir = args.run_dir or _default_run_dir("train")
     outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts, overwrite=args.overwrite)
     if under_torchrun():
+        if outcome.ok and os.environ.get("RANK") == "0":
+            _report(outcome, cfg, run_dir)  # the closing line, once for the job
+        elif not outcome.ok:
+            tell_torchrun(f"error: {outcome.message}")
         # Leave without interpreter teardown (gloo's teardown race); exit code tells torchrun the outcome.
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0 if outcome.ok else 1)
     return _report(outcome, cfg, run_dir)
 
@@ -219,8 +234,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from meshfit.demo import run_demo
+    from meshfit.demo import demo_trials, run_demo
 
+    most = max(trial.nproc for trial in demo_trials(args.nproc))
+    check_local_ranks(most, args.oversubscribe, f"--nproc {args.nproc}" if most == args.nproc else
+                      f"the demo's layouts run up to {most} ranks")
     return run_demo(args.run_dir or _default_run_dir("demo"), nproc=args.nproc, overwrite=args.overwrite)
 
 
@@ -231,6 +249,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     try:  # before the measurement (tens of seconds), not after it
         if out is not None:
             check_out_file(out, "--out", args.overwrite, "hardware.json")
+        check_local_ranks(args.nproc, args.oversubscribe)
         if args.seq_len and not args.model:
             raise PathError("--seq-len is the sequence length of --model's measurement: give --model too")
         model = None
@@ -315,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except (ConfigError, PathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if args.command == "train":
+            from meshfit.train.launch import tell_torchrun
+
+            tell_torchrun(f"error: {exc}")
         return 2
     except KeyboardInterrupt:
         print("interrupted (SIGINT); nothing was saved", file=sys.stderr)

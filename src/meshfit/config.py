@@ -74,8 +74,8 @@ class ModelSection(_Section):
         return cfg
 
 
-def _degree(value: int) -> int:
-    if value == 0 or value < -1:
+def _degree(value: int | None) -> int | None:
+    if value is not None and (value == 0 or value < -1):
         raise ValueError("must be a positive degree, or -1 for 'the rest of the world size'")
     return value
 
@@ -90,7 +90,9 @@ class ParallelSection(_Section):
     """The layout: degrees of each parallel dimension (product = world size) and how state is kept."""
 
     dp_replicate: int = 1
-    dp_shard: int = 1
+    # None (unset): data parallelism takes the ranks the other degrees leave (parallel/rules.py's
+    # data_parallel_rest): dp_shard, or dp_replicate when zero_stage=0 asks for DDP replicas.
+    dp_shard: int | None = None
     tp: int = 1
     pp: int = 1
     # 0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP). None: 3 when

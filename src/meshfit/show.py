@@ -26,6 +26,7 @@ from meshfit import runfiles
 from meshfit.paths import PathError, read_text
 from meshfit.runfiles import MEM_CATEGORIES, REQUIRED_KEYS, ShowError, read_config, read_result
 from meshfit.train.steady import steady_records
+from meshfit.parallel.rules import data_parallel_rest
 from meshfit.units import fmt_bytes
 
 METRICS = "metrics.jsonl"
@@ -156,6 +157,9 @@ def _degrees(parallel: dict[str, Any], world: int | None) -> dict[str, int]:
     size is known."""
     names = ("pp", "dp_replicate", "dp_shard", "tp")
     degrees = {n: int(parallel.get(n) or 1) for n in names}
+    if "dp_shard" in parallel and parallel["dp_shard"] is None:  # unset: data parallelism takes the rest
+        degrees["dp_replicate"], degrees["dp_shard"] = data_parallel_rest(
+            degrees["dp_replicate"], None, degrees["tp"], degrees["pp"], parallel.get("zero_stage"))
     known = 1
     for n in names:
         known *= degrees[n] if degrees[n] > 0 else 1

@@ -11,7 +11,8 @@ The server is multiprocessing's one per process, started at the first call: what
 from the environment at import time, and meshfit's code itself, are as they were then (a process that
 reloads meshfit or changes such variables between calls should use its own spawn context). If any rank
 raises, the others are killed at once and the error is raised here with that rank's traceback; past the
-timeout every rank is killed and TimeoutError raised.
+timeout every rank is killed and TimeoutError raised. A caller that ends without its clean-up (killed)
+takes its ranks along (meshfit.lifeline).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshfit.lifeline import end_with
 from meshfit.train.launch import free_port
 
 
@@ -37,7 +39,8 @@ PRELOAD = ["torch", "torch.distributed", "meshfit.train.trainer"]
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple,
-               environ: dict[str, str]) -> None:
+               environ: dict[str, str], launcher: int) -> None:
+    end_with(launcher)  # a caller killed without clean-up (e.g. out of memory) takes its ranks along
     # The fork server's environment is the one it started with; the caller's may have changed since.
     os.environ.clear()
     os.environ.update(environ)
@@ -77,13 +80,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args, environ), daemon=True)
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args, environ, os.getpid()),
+                         daemon=True) for r in range(world_size)]
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for proc in procs:  # inside the try: ranks started before a failing start are ended too
+            proc.start()
         while len(values) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -101,6 +104,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             values[rank] = value
     finally:
         for proc in procs:
+            if proc.pid is None:
+                continue  # never started
             proc.join(timeout=5 if len(values) == world_size else 0.1)
             if proc.is_alive():
                 proc.kill()

@@ -19,6 +19,7 @@ With dp_replicate > 1 the sharded state is replicated across dp_replicate groups
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 
 import torch
@@ -32,18 +33,25 @@ from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.kinds import stashes_gradients
 
 
+# torch 2.13 deprecates broadcast_buffers for forward_sync_buffers (which still syncs buffers once, at
+# construction, with the parameters); earlier versions know only broadcast_buffers.
+_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                           else {"broadcast_buffers": False})
+
+
 def apply_ddp(model: nn.Module, meshes: Meshes) -> nn.Module:
     """Wrap a materialized model in DDP over the whole data-parallel group (stage 0).
 
     gradient_as_bucket_view: gradients are views into DDP's flat communication buckets, so the buckets
-    are the gradients rather than a second copy of them. broadcast_buffers=False: meshfit's models hold
-    only constant buffers (RoPE tables), built the same way on every rank, so rank 0's need not be sent
-    again before every forward (one collective per micro-batch).
+    are the gradients rather than a second copy of them. No buffer sync before each forward: meshfit's
+    models hold only constant buffers (RoPE tables), built the same way on every rank, so rank 0's need
+    not be sent again before every forward (one collective per micro-batch).
     """
     device = next(model.parameters()).device
     device_ids = None if device.type == "cpu" else [device]
     return DistributedDataParallel(model, process_group=meshes.dp.get_group(), device_ids=device_ids,
-                                   gradient_as_bucket_view=True, broadcast_buffers=False)
+                                   gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
 
 
 def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:

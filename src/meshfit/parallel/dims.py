@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshfit.parallel.rules import data_parallel_rest
+
 # Outer to inner: pipeline stages span nodes, tensor parallelism stays on the fastest links.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -36,8 +38,14 @@ class ParallelDims:
     pp: int
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> ParallelDims:
-        """Fill in at most one -1 degree ("the rest") and check the product equals world_size."""
+    def resolve(cls, dp_replicate: int, dp_shard: int | None, tp: int, pp: int, world_size: int,
+                zero_stage: int | None = None) -> ParallelDims:
+        """Fill in at most one -1 degree ("the rest") and check the product equals world_size.
+
+        dp_shard None (unset): the data-parallel rest of rules.data_parallel_rest (zero_stage decides
+        whether it is sharded or replicated)."""
+        implied = dp_shard is None
+        dp_replicate, dp_shard = data_parallel_rest(dp_replicate, dp_shard, tp, pp, zero_stage)
         degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         free = [name for name, d in degrees.items() if d == -1]
         if len(free) > 1:
@@ -45,10 +53,13 @@ class ParallelDims:
         known = math.prod(d for d in degrees.values() if d != -1)
         if free:
             if world_size % known:
+                others = " × ".join(f"{n}={d}" for n, d in degrees.items() if d != -1)
+                given = (f"parallel.dp_shard is unset, so data parallelism ({free[0]}) takes the ranks the other "
+                         "degrees leave, but " if implied else f"parallel.{free[0]}=-1: ")
                 raise ValueError(
-                    f"parallel.{free[0]}=-1: the other degrees multiply to {known}, which does not divide "
-                    f"the world size {world_size}; choose degrees whose product divides {world_size} "
-                    f"(divisors: {', '.join(map(str, divisors(world_size)))})"
+                    f"{given}the other degrees multiply to {others} = {known}, and the world size is "
+                    f"{world_size}, which {known} does not divide; choose degrees whose product divides "
+                    f"{world_size} (divisors: {', '.join(map(str, divisors(world_size)))})"
                 )
             degrees[free[0]] = world_size // known
         dims = cls(**degrees)

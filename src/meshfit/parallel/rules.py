@@ -19,6 +19,24 @@ def default_zero_stage(dp_shard: int) -> int:
     return 3 if dp_shard > 1 else 0
 
 
+def data_parallel_rest(dp_replicate: int, dp_shard: int | None, tp: int, pp: int,
+                       zero_stage: int | None) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) with an unset dp_shard (None) filled in, -1 meaning "the rest of the ranks".
+
+    Unset, the data-parallel dimension takes the ranks the other degrees leave, as torchtitan's dp_shard
+    does: dp_shard, so that the default zero_stage is 3 (FSDP) and each rank keeps 1/N of the weights,
+    gradients and optimizer states (DDP's full replica per rank is what does not fit); with zero_stage=0
+    (DDP, which shards nothing) the rest goes to dp_replicate instead. When another degree already takes
+    the rest, dp_shard is 1."""
+    if dp_shard is not None:
+        return dp_replicate, dp_shard
+    if -1 in (dp_replicate, tp, pp):
+        return dp_replicate, 1
+    if zero_stage == 0 and dp_replicate == 1:
+        return -1, 1
+    return dp_replicate, -1
+
+
 def _namer(config_names: bool):
     return (lambda f: f"{SECTION[f]}.{f}") if config_names else (lambda f: f)
 

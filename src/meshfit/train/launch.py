@@ -26,6 +26,7 @@ from typing import Any
 from meshfit.config import Config
 from meshfit.jsonfile import json_object_or_none
 from meshfit.train import checkpoint_store as store
+from meshfit.lifeline import LAUNCHER_ENV, kill_children
 from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
 
@@ -96,6 +97,21 @@ def model_name(preset: str, model: Any) -> str:
     if same is not None:
         return same
     return f"custom {model.family} (preset {preset} reshaped)"
+def tell_torchrun(message: str) -> None:
+    """Under an outer torchrun, hand this rank's error line to torchrun, whose closing summary then shows it
+    as the failure's cause (`traceback : error: …`) instead of a pointer to its documentation.
+
+    torchrun names the file in TORCHELASTIC_ERROR_FILE; the JSON is the layout its own @record handler
+    writes, with the one line where that handler puts the Python traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not under_torchrun() or not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                            "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(record))
+    except OSError:
+        pass  # torchrun then says what it says without it; the line is on the console already
 
 
 def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: int | None) -> str:
@@ -177,6 +193,7 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
         raise SignalException("Ctrl-C", sigval=signal.SIGTERM)
 
     previous = signal.signal(signal.SIGINT, ctrl_c)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks end when this process does (lifeline.py)
     try:
         elastic_launch(config, sys.executable)("-m", "meshfit.train.worker", str(run_dir), str(config_file),
                                                "--launched")
@@ -187,6 +204,10 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
         return {}, received[0] if received else signal.Signals(exc.sigval).name
     finally:
         signal.signal(signal.SIGINT, previous)
+        os.environ.pop(LAUNCHER_ENV, None)
+        # torch's agent ends the ranks of a launch that fails; not those it had started when starting
+        # another failed (e.g. out of processes or memory). The config file names this launch's ranks.
+        kill_children(str(config_file))
     return {}, "".join(received)
 
 
@@ -260,7 +281,10 @@ def _start(cfg: Config, run_dir: Path, nproc: int | None, max_restarts: int, rem
         # training begins (a failed start leaves the run's files as they were).
         config_file = Path(tmp) / "config.yaml"
         config_file.write_text(cfg.to_yaml())
-        codes, received = _launch_local(run_dir, config_file, nproc, max_restarts, cfg.train.timeout_s)
+        try:
+            codes, received = _launch_local(run_dir, config_file, nproc, max_restarts, cfg.train.timeout_s)
+        except OSError as exc:  # e.g. fork or exec refused: no more processes or memory for them
+            return Outcome(ok=False, failure={"rank": -1, "message": f"could not start {nproc} local ranks: {exc}"})
     return _outcome(run_dir, collect(run_dir, codes, since), received, since)
 
 

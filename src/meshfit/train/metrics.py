@@ -103,6 +103,29 @@ def tensorboard_scalars(rec: dict[str, Any]) -> dict[str, float]:
     return scalars
 
 
+def progress_bar(console: Any = None) -> Any:
+    """The terminal's progress line: step, elapsed time and ETA first, then the step's figures, which alone
+    are cut (with an ellipsis) when the terminal is too narrow for all of it (at 100 columns all fits)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.table import Column
+    from rich.text import Text
+
+    class Figures(ProgressColumn):
+        def render(self, task: Any) -> Text:  # its own Text decides: one line, cut at the end
+            return Text(task.fields.get("info", ""), no_wrap=True, overflow="ellipsis")
+
+    # rich narrows the columns that may wrap when the line is too long: only the figures may.
+    def fixed() -> Column:
+        return Column(no_wrap=True)
+
+    # Elapsed time ticks during a long step too, so a slow step is visibly still running.
+    return Progress(BarColumn(bar_width=6, table_column=fixed()),
+                    MofNCompleteColumn(table_column=fixed()), TimeElapsedColumn(table_column=fixed()),
+                    TextColumn("eta", table_column=fixed()), TimeRemainingColumn(table_column=fixed()),
+                    Figures(table_column=Column()), console=console)
+
+
 class MetricsLog:
     """Rank 0's view: appends one JSON object per optimizer step and prints progress.
 
@@ -126,13 +149,7 @@ class MetricsLog:
         self.total_steps = total_steps
         self.step_times: list[float] = []  # this launch's steps, for the ETA
         if enabled and sys.stdout.isatty():
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-
-            # Elapsed time ticks during a long step too, so a slow step is visibly still running.
-            self.progress = Progress(TextColumn("train"), BarColumn(bar_width=20), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"),
-                                     TimeRemainingColumn())
+            self.progress = progress_bar()
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
             self.progress.start()
 
@@ -146,16 +163,17 @@ class MetricsLog:
             for tag, value in tensorboard_scalars(rec).items():
                 self.writer.add_scalar(tag, value, rec["step"], walltime=rec.get("time"))
             self.writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged
-        info = (f"loss {rec['loss']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
-                f"{rec['tokens_per_s']:.0f} tok/s | peak {fmt_bytes(rec['peak_mem_bytes'])}")
+        fields = [f"loss {rec['loss']:.4f}", f"gnorm {rec['grad_norm']:.3f}", f"lr {rec['lr']:.1e}",
+                  f"{rec['tokens_per_s']:.0f} tok/s", f"peak {fmt_bytes(rec['peak_mem_bytes'])}"]
         if "val_loss" in rec:
-            info = f"{info} | val {rec['val_loss']:.4f}"
+            fields.append(f"val {rec['val_loss']:.4f}")
         if not rec.get("compile_s"):  # a step that compiled says nothing of the steps to come
             self.step_times.append(rec["step_time_s"])
         if self.progress is not None:
-            self.progress.update(self.task, advance=1, info=info)
+            self.progress.update(self.task, advance=1, info=" ".join(fields))
         elif rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps or "val_loss" in rec:
-            print(f"step {rec['step']:>5}/{self.total_steps} | {info} | eta {self.eta(rec['step'])}", flush=True)
+            print(f"step {rec['step']:>5}/{self.total_steps} | {' | '.join(fields)} | eta {self.eta(rec['step'])}",
+                  flush=True)
 
     def eta(self, step: int) -> str:
         """Time left at this launch's mean step time (the first step, which warms up, left out when there

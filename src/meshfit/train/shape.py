@@ -185,7 +185,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     """Validate `cfg` for `world_size` ranks; raises ConfigError with the field and valid choices."""
     p = cfg.parallel
     try:
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size)
+        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size, p.zero_stage)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     model = cfg.model.resolve()

@@ -87,6 +87,10 @@ def _abandon_group() -> None:
 
 def main() -> None:
     code = INTERRUPTED
+    if "--launched" in sys.argv[3:]:
+        from meshfit.lifeline import end_with_launcher
+
+        end_with_launcher()  # first: a launcher killed while this rank starts takes it along
     try:
         import yaml
 
