@@ -395,7 +395,8 @@ EXPORT = [
 OTHER_COMMANDS = [
     case("show-missing", "show {ws}/nope", "nope", "does not exist", "run directory"),
     case("show-a-file", "show {ws}/afile", "afile", "is a file", "metrics.jsonl"),
-    case("demo-nproc-3", "demo --nproc 3 --run-dir {ws}/d", "--nproc", "1, 2 or 4"),
+    case("demo-nproc-3", "demo --nproc 3 --run-dir {ws}/d", "--nproc 3", "2 or 4 ranks"),
+    case("demo-nproc-64", "demo --nproc 64 --run-dir {ws}/d", "--nproc 64", "2 or 4 ranks"),
     case("demo-earlier-output", "demo --run-dir {ws}/demo", "summary.json", "--overwrite"),
     case("demo-run-dir-is-a-file", "demo --run-dir {ws}/afile", "--run-dir", "is a file"),
     case("command-typo", "trian", "unknown command 'trian'", "did you mean 'train'?", "plan, verify"),

@@ -234,12 +234,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from meshfit.demo import demo_trials, run_demo
+    from meshfit.demo import check_demo_args, demo_trials, run_demo
 
+    run_dir = args.run_dir or _default_run_dir("demo")
+    check_demo_args(run_dir, args.nproc, args.overwrite)  # which rank counts mean something comes first
     most = max(trial.nproc for trial in demo_trials(args.nproc))
     check_local_ranks(most, args.oversubscribe, f"--nproc {args.nproc}" if most == args.nproc else
                       f"the demo's layouts run up to {most} ranks")
-    return run_demo(args.run_dir or _default_run_dir("demo"), nproc=args.nproc, overwrite=args.overwrite)
+    return run_demo(run_dir, nproc=args.nproc, overwrite=args.overwrite)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

@@ -26,14 +26,14 @@ def data_parallel_rest(dp_replicate: int, dp_shard: int | None, tp: int, pp: int
     Unset, the data-parallel dimension takes the ranks the other degrees leave, as torchtitan's dp_shard
     does: dp_shard, so that the default zero_stage is 3 (FSDP) and each rank keeps 1/N of the weights,
     gradients and optimizer states (DDP's full replica per rank is what does not fit); with zero_stage=0
-    (DDP, which shards nothing) the rest goes to dp_replicate instead. When another degree already takes
-    the rest, dp_shard is 1."""
+    (DDP, which shards nothing) the rest goes to dp_replicate instead, or, when dp_replicate is set too, none
+    is sharded. When another degree already takes the rest, dp_shard is 1."""
     if dp_shard is not None:
         return dp_replicate, dp_shard
     if -1 in (dp_replicate, tp, pp):
         return dp_replicate, 1
-    if zero_stage == 0 and dp_replicate == 1:
-        return -1, 1
+    if zero_stage == 0:
+        return (-1 if dp_replicate == 1 else dp_replicate), 1
     return dp_replicate, -1
 
 
