@@ -93,3 +93,20 @@ def test_model_and_data_validation(tmp_path):
         resolve_run(load_config(None, ["data.source=tokens"]), 1)
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_run(load_config(None, ["data.source=text", f"data.path={tmp_path / 'x.txt'}"]), 1)
+
+
+@pytest.mark.parametrize("overrides, world, layout", [
+    ([], 4, "dp_shard=4"),  # the default: FSDP over every rank
+    (["parallel.zero_stage=0"], 4, "dp_replicate=4"),  # DDP replicas take the rest instead
+    (["parallel.dp_replicate=2"], 4, "dp_replicate=2 × dp_shard=2"),  # HSDP
+    (["parallel.tp=2"], 4, "dp_shard=2 × tp=2"),
+    (["parallel.tp=-1"], 2, "tp=2"),  # another degree takes the rest
+])
+def test_an_unset_dp_shard_takes_the_ranks_the_other_degrees_leave(overrides, world, layout):
+    assert resolve_run(load_config(None, overrides), world).dims.describe() == layout
+
+
+def test_a_set_dp_replicate_under_ddp_is_not_completed_by_an_unset_dp_shard():
+    """zero_stage=0 shards nothing: the error names the degrees given, not a dp_shard nobody set."""
+    with pytest.raises(ConfigError, match=r"1 × 2 × 1 × 1 = 2, but the world size is 4"):
+        resolve_run(load_config(None, ["parallel.dp_replicate=2", "parallel.zero_stage=0"]), 4)
