@@ -265,3 +265,19 @@ def test_bpe_held_out_text_gets_the_training_texts_ids(tmp_path: Path) -> None:
     assert len(cached) == 1  # one tokenizer, the training text's
     expected = Tokenizer.from_file(str(cached[0])).encode((tmp_path / "val.txt").read_text()).ids
     assert held.tolist() == expected
+
+
+def test_bpe_held_out_text_with_few_words_is_not_tokenized_on_its_own(tmp_path: Path) -> None:
+    """Held-out BPE text is read with the training text's tokenizer: before the ranks start only its bytes
+    bound its length (a tokenizer trained on the held-out text itself would count other tokens)."""
+    train = tmp_path / "train.txt"
+    train.write_text(" ".join(["alpha", "beta", "gamma", "delta"] * 400))
+    bpe = ["data.source=text", f"data.path={train}", "data.tokenizer=bpe", "model.vocab_size=270",
+           "train.seq_len=32", "train.eval_every=2", "train.eval_batches=1"]
+    few_words = tmp_path / "val.txt"
+    few_words.write_text("alphabetagammadelta " * 10)  # 10 words, 200 bytes
+    _resolve(*bpe, f"data.val_path={few_words}")
+    too_short = tmp_path / "short.txt"
+    too_short.write_text("alpha beta")
+    with pytest.raises(ConfigError, match=r"data\.val_path: .*short\.txt: has 10 bytes"):
+        _resolve(*bpe, f"data.val_path={too_short}")

@@ -43,10 +43,12 @@ def load_token_file(path: str | os.PathLike, vocab_size: int, dtype: str | None 
 
 
 def check_files(source: str, path: str | os.PathLike, seq_len: int, tokenizer: str = "byte",
-                token_dtype: str | None = None, vocab_size: int | None = None) -> None:
+                token_dtype: str | None = None, vocab_size: int | None = None, own_bpe: bool = True) -> None:
     """What can be known of data files before training: they exist and have the right form, and hold at
     least one sequence (``seq_len + 1`` tokens). DataError naming the file otherwise. Token ids are
-    range-checked when the ranks load the file."""
+    range-checked when the ranks load the file. ``own_bpe``: BPE text is tokenized by a tokenizer trained
+    on itself (training data), so its token count can be found here; held-out text is tokenized by the
+    training data's tokenizer, so only the byte count bounds it before the ranks start."""
     path = Path(path)
     need = f"one sequence needs train.seq_len + 1 = {seq_len + 1}"
     if source == "tokens":
@@ -64,7 +66,7 @@ def check_files(source: str, path: str | os.PathLike, seq_len: int, tokenizer: s
         most = "" if tokenizer == "byte" else "at most "
         raise DataError(f"{path}: {held}, i.e. {most}{count} tokens with data.tokenizer={tokenizer}; {need} "
                         "(use more text or a shorter train.seq_len)")
-    if tokenizer == "bpe" and not _words_at_least(files, seq_len + 1):
+    if tokenizer == "bpe" and own_bpe and not _words_at_least(files, seq_len + 1):
         # Few words: the BPE token count decides; train the tokenizer here (in memory, as each rank would).
         count = len(tokenize_text(path, "bpe", vocab_size or 0))
         if count < seq_len + 1:

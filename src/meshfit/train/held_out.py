@@ -48,7 +48,7 @@ def check_held_out(cfg: Config) -> None:
 def _check_file(cfg: Config) -> None:
     data, train = cfg.data, cfg.train
     try:
-        check_files(data.source, data.val_path, train.seq_len, data.tokenizer, data.token_dtype)
+        check_files(data.source, data.val_path, train.seq_len, data.tokenizer, data.token_dtype, own_bpe=False)
     except DataError as exc:
         raise DataError(f"data.val_path: {exc}") from None
     count = token_count(data.source, data.val_path, data.tokenizer, data.token_dtype)
