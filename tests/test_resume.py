@@ -155,14 +155,18 @@ def test_runs_are_never_mixed_or_wiped_by_a_resume(tmp_path: Path, monkeypatch: 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_a_long_checkpoint_write_says_what_it_writes_and_how_long_it_took(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_long_checkpoint_write_says_what_it_writes_and_how_long_it_took(tmp_path, background):
     """The console names a large save before it starts and its size and time when it is done."""
     from dist_jobs import announced_save_job
 
-    cfg = parity_config("train.steps=2", "parallel.dp_shard=2", "parallel.zero_stage=3")
+    cfg = parity_config("train.steps=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
+                        f"checkpoint.async_save={str(background).lower()}")
     printed = run_ranks(announced_save_job, 2, cfg, str(tmp_path))[0]
     folder = tmp_path / "checkpoints" / "step-00000002"
     written = sum(p.stat().st_size for p in folder.iterdir() if p.name != "meshfit.json")
     assert f"[checkpoint] writing step 2 to {folder}: model, optimizer states" in printed, printed
+    assert " from 2 rank(s))" in printed and (" in the background…" in printed) == background, printed
     line = next(x for x in printed.splitlines() if x.startswith("[checkpoint] step 2: "))
-    assert f" written to {folder} in " in line and fmt_bytes(written) in line, (line, written)
+    assert f" written to {folder} " in line and fmt_bytes(written) in line, (line, written)
+    assert ("finished in the background" in line) == background, line

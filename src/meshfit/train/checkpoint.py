@@ -126,17 +126,19 @@ class Checkpointer:
         state, _ = _full_state(run, step)
         timer = self.faults.during_save(step) if self.faults else None
         info = _marker_info(run, step)
-        local = _state_bytes(state)
-        if local >= ANNOUNCE_BYTES:  # a long write: say what it is before the console goes quiet
+        background = self.group is not None
+        total = _all_ranks_bytes(state, run.env.device)
+        announce = total >= ANNOUNCE_BYTES
+        if announce:  # a long write: say what it is before the console goes quiet
             _say(self.rank, f"writing step {step} to {folder}: model, optimizer states, schedule, data position "
-                            f"and RNG states ({fmt_bytes(local)} from this rank)"
-                            f"{' in the background' if self.group is not None else ''}…")
-        if self.group is not None:
+                            f"and RNG states ({fmt_bytes(total)} from {dist.get_world_size()} rank(s))"
+                            f"{' in the background' if background else ''}…")
+        if background:
             response = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
-            self.pending = (step, folder, getattr(response, "upload_completion", response), info, start)
+            self.pending = (step, folder, getattr(response, "upload_completion", response), info, start, announce)
         else:
             dcp.save(state, checkpoint_id=folder)
-            self._finalize(step, folder, info, start, announce=local >= ANNOUNCE_BYTES)
+            self._finalize(step, folder, info, start, announce, background=False)
         self.save_seconds.append(time.perf_counter() - start)
         if timer is not None:
             timer.join()  # the injected kill fires during the save, or just after it
@@ -149,10 +151,10 @@ class Checkpointer:
     def finalize_pending(self) -> None:
         """Called on every rank once every rank's async save is done."""
         if self.pending is not None:
-            step, folder, future, info, start = self.pending
+            step, folder, future, info, start, announce = self.pending
             self.pending = None
             future.result()  # raises what the background save raised
-            self._finalize(step, folder, info, start, announce=False)
+            self._finalize(step, folder, info, start, announce, background=True)
 
     def wait(self) -> None:
         """Wait for an async save and finalize it (collective)."""
@@ -160,7 +162,8 @@ class Checkpointer:
             self.pending[2].result()
             self.finalize_pending()
 
-    def _finalize(self, step: int, folder: Path, info: dict[str, Any], start: float, announce: bool) -> None:
+    def _finalize(self, step: int, folder: Path, info: dict[str, Any], start: float, announce: bool,
+                  background: bool) -> None:
         # Each rank hashes the files it wrote; rank 0 adds the rest and writes the marker last.
         mine = store.digest_files(folder, sorted(p.name for p in folder.glob(f"__{self.rank}_*")))
         gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
@@ -175,8 +178,10 @@ class Checkpointer:
             seconds = time.perf_counter() - start
             if announce or seconds >= ANNOUNCE_S:
                 written = sum((folder / name).stat().st_size for name in files)
-                _say(0, f"step {step}: {fmt_bytes(written)} in {len(files)} files written to {folder} in "
-                        f"{seconds:.1f} s ({fmt_bytes(written / max(seconds, 1e-9))}/s)")
+                # In the background training went on meanwhile: the time is not the write's alone.
+                took = (f"finished in the background {seconds:.1f} s after it began" if background else
+                        f"in {seconds:.1f} s ({fmt_bytes(written / max(seconds, 1e-9))}/s)")
+                _say(0, f"step {step}: {fmt_bytes(written)} in {len(files)} files written to {folder} {took}")
         self.last_saved, self.last_folder = step, folder
 
     # -- resuming -------------------------------------------------------------------------------------
@@ -259,13 +264,17 @@ ANNOUNCE_BYTES = 1 << 30
 ANNOUNCE_S = 10.0
 
 
-def _state_bytes(state: dict[str, Any]) -> int:
-    """Bytes of the tensors this rank writes (DTensors: its local shards)."""
+def _all_ranks_bytes(state: dict[str, Any], device: torch.device) -> int:
+    """Bytes of the tensors every rank writes (DTensors: each rank's local shards), on every rank: the
+    ranks hold different shares (a pipeline's last stage holds the head), and rank 0 speaks for all."""
     from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_leaves
 
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
-               for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+    local = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
+                for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+    total = torch.tensor([local], dtype=torch.float64, device=device)  # one small collective per save
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def _first_line(exc: BaseException) -> str:
