@@ -75,6 +75,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
     meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
     stash: GradientStash | None = None  # ZeRO-2 under mixed precision with gradient accumulation
+    compiling_since: float = 0.0  # the process's compile seconds when the step began (train.compile)
     host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters on CPU ranks (host_reduce.py)
     held_out: HeldOut | None = None  # validation batches (train.eval_every > 0)
 
@@ -202,6 +203,7 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     stop, saving = guard.requests() if guard is not None else (False, False)
     vote = Vote(Ballot(square=squares.weighted(), loss=torch.stack(losses).mean() if holds_loss else None,
                        nonfinite=not local_ok, stop=stop, saving=saving,
+                       compiled=run.cfg.train.compile and compile_seconds() > run.compiling_since,
                        counter=run.meter.reading() if run.meter is not None and read else None), run.env.device)
     grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, vote.square, read=read)
     if guard is not None and not guard.allow_step(vote.tally, grad_norm):
@@ -223,7 +225,9 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
 def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
     """One optimizer step; returns its metrics record (identical on every rank but for a compiled run's
     `compile_s`, this rank's own)."""
-    start, compiling = time.perf_counter(), compile_seconds()
+    start = time.perf_counter()
+    if run.cfg.train.compile:
+        run.compiling_since = compile_seconds()
     lr = run.scheduler.get_last_lr()[0]
     inputs, targets = run.batches.next_batch()
     _, grad_norm, vote = measured_step(run, inputs, targets, guard, read=True)
@@ -232,13 +236,13 @@ def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
     run.step += 1
     record = _record(run, tally, float(grad_norm), lr, elapsed)
     if run.cfg.train.compile:
-        _compile_fields(run, record, compile_seconds() - compiling)
+        _compile_fields(run, record, compile_seconds() - run.compiling_since, tally.compiled)
     if guard is not None and guard.skipped:
         record["skipped"] = True
     return record
 
 
-def _compile_fields(run: Run, record: dict[str, Any], seconds: float) -> None:
+def _compile_fields(run: Run, record: dict[str, Any], seconds: float, any_rank: bool) -> None:
     """A compiled run's step says whether its blocks ran eagerly (under the memory tracker, which
     torch.compile does not support) and how long this rank spent compiling in it."""
     if any(m.get("measured") == "tracker" for m in record["mem"]):
@@ -246,10 +250,10 @@ def _compile_fields(run: Run, record: dict[str, Any], seconds: float) -> None:
     for mem in record["mem"]:  # a breakdown, measured or carried over, is an eager step's
         if mem.get("measured") in ("tracker", "carried"):
             mem["breakdown_blocks"] = "eager"
+    if any_rank and run.meter is not None:  # every rank alike: tracked steps gather from all of them
+        run.meter.compiled()
     if seconds > 0:
         record["compile_s"] = seconds
-        if run.meter is not None:
-            run.meter.compiled()
         if run.env.rank == 0:
             print(f"compiled {compiled_blocks(run.model)} blocks in {seconds:.1f} s (step {run.step}, rank 0; "
                   "left out of step-time figures)", flush=True)

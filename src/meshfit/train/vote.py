@@ -8,7 +8,8 @@ Each rank casts a `Ballot`; one all-reduce (a sum over the world, in fp64) makes
 * per rank, in its own slot: whether its loss or gradients are non-finite (the step guard names the rank
   where a NaN began), and its memory counter and whether it grew, which steps the memory tracker does not
   measure report (memory/meter.py);
-* from any rank: a stop request (SIGTERM) and an unfinished background checkpoint save;
+* from any rank: a stop request (SIGTERM), an unfinished background checkpoint save, and whether it
+  compiled during the step (train.compile: the memory meter then treats the step alike on every rank);
 * the step's loss: the ranks that compute one add it and count themselves, so the mean is over data-parallel
   replicas whatever the layout (tensor-parallel ranks share a loss; only the last pipeline stage has one).
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 # The shared slots; the per-rank ones follow them. The first two are computed on the device, the rest on
 # the host.
-_SQUARE, _LOSS, _STOP, _SAVING, _LOSS_RANKS, _SHARED = range(6)
+_SQUARE, _LOSS, _STOP, _SAVING, _LOSS_RANKS, _COMPILED, _SHARED = range(7)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Ballot:
     nonfinite: bool = False  # this rank's loss or gradients hold a NaN or Inf
     stop: bool = False
     saving: bool = False  # a background checkpoint save of this rank is still being written
+    compiled: bool = False  # this rank compiled (train.compile) during the step
     counter: tuple[int, bool] | None = None  # (memory counter in bytes, whether it grew); None in dry runs
 
 
@@ -52,6 +54,7 @@ class Tally:
     nonfinite_ranks: list[int]
     stop: bool
     saving: bool
+    compiled: bool  # some rank compiled during the step
     loss: float  # mean over the ranks that computed one (NaN when none did, as in a dry run)
     counters: list[tuple[int, bool]] | None  # per rank; None in dry runs
 
@@ -65,6 +68,7 @@ class Vote:
         rank = dist.get_rank()
         host = torch.zeros(_SHARED + 3 * self.world, dtype=torch.float64)
         host[_STOP], host[_SAVING] = float(ballot.stop), float(ballot.saving)
+        host[_COMPILED] = float(ballot.compiled)
         host[_LOSS_RANKS] = float(ballot.loss is not None)
         host[_SHARED + rank] = float(ballot.nonfinite)
         self.counted = ballot.counter is not None  # the same on every rank (memory/meter.py)
@@ -97,5 +101,5 @@ class Vote:
                                                          host[_SHARED + 2 * world:], strict=True)]
         loss_ranks = host[_LOSS_RANKS]
         return Tally(nonfinite_ranks=[r for r, flag in enumerate(flags) if flag], stop=bool(host[_STOP]),
-                     saving=bool(host[_SAVING]), loss=host[_LOSS] / loss_ranks if loss_ranks else float("nan"),
-                     counters=counters)
+                     saving=bool(host[_SAVING]), compiled=bool(host[_COMPILED]),
+                     loss=host[_LOSS] / loss_ranks if loss_ranks else float("nan"), counters=counters)
