@@ -68,7 +68,6 @@ def compiled_blocks(model: nn.Module) -> int:
     return sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
-
 def eager_blocks(eager: bool) -> contextlib.AbstractContextManager:
     """Run compiled blocks eagerly inside this context when ``eager`` (torch.compile refuses to trace
     under a TorchDispatchMode such as the memory tracker)."""

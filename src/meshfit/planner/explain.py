@@ -198,8 +198,8 @@ def _compile_line(plan: Plan, best: Candidate) -> str:
     d = fmt_duration
     return (head + f"element-wise {d(eager.elementwise_s)} → {d(compiled.elementwise_s)}, "
             f"step {d(eager.total_s)} → {d(compiled.total_s)} ({eager.total_s / compiled.total_s:.2f}× faster). "
-            f"Assumed: the blocks' fused element-wise kernels move {COMPILED_ELEMENTWISE:.0%} of the eager bytes (counted, not measured on a "
-            "GPU); matmuls, attention, communication and memory unchanged.")
+            f"Assumed: the blocks' fused element-wise kernels move {COMPILED_ELEMENTWISE:.0%} of the eager bytes "
+            "(counted, not measured on a GPU); matmuls, attention, communication and memory unchanged.")
 
 
 def explain(plan: Plan) -> str:

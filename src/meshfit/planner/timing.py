@@ -224,8 +224,8 @@ def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, 
     gathers for every forward and backward and reduces every micro-batch; stage 2 keeps the gathered
     weights for the whole step (one gather) and reduces every micro-batch; stage 1 also reduces once per
     step, in the compute dtype. HSDP all-reduces the reduced shard across replicas; stage-0 replicas (of
-    tensor-parallel weights, or under mixed precision) all-reduce once per step, as DDP does. Under a pipeline schedule torch's stages skip
-    the gradient sync and the post-backward reshard until the step's end, so gradients are reduced once,
+    tensor-parallel weights, or under mixed precision) all-reduce once per step, as DDP does. Under a
+    pipeline schedule torch's stages skip the gradient sync and the post-backward reshard until the step's end, so gradients are reduced once,
     exposed, and stages 1/2 gather once per step, stage 3 once per warm-up forward (min(p, m)) and once per
     backward.
     """

@@ -21,8 +21,8 @@ CPU rank counts them: there the host is its own memory; its record reports them 
 
 Agreement with real multi-process gloo runs of the tiny model (step peaks): identical bytes for DDP,
 ZeRO-1/2/3, HSDP, TP + SP + loss parallel, activation checkpointing and offload (the real peak less its
-`offloaded` bytes) in fp32, and for every layout at one rank in mixed precision. Two known differences, both making the dry run lower: on gloo a
-reduce-scatter receives chunks the size of its input (parallel/host_reduce.py), and one reduced in the
+`offloaded` bytes) in fp32, and for every layout at one rank in mixed precision. Two known differences,
+both making the dry run lower: on gloo a reduce-scatter receives chunks the size of its input (parallel/host_reduce.py), and one reduced in the
 background keeps its input, its chunks and the block's shard through the next block's backward (NCCL does
 neither; CPU plans count both), which shows when the peak falls in backward; a real pipeline send holds its
 tensor until it is waited for, while a fake send completes at once (1F1B and interleaved schedules: up to

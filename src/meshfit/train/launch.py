@@ -97,6 +97,8 @@ def model_name(preset: str, model: Any) -> str:
     if same is not None:
         return same
     return f"custom {model.family} (preset {preset} reshaped)"
+
+
 def tell_torchrun(message: str) -> None:
     """Under an outer torchrun, hand this rank's error line to torchrun, whose closing summary then shows it
     as the failure's cause (`traceback : error: …`) instead of a pointer to its documentation.
