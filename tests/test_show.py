@@ -197,7 +197,7 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     broken_result = tmp_path / "broken_result"
     _make_run(broken_result, result={})
     (broken_result / "result.json").write_text('{"layout": ')
-    _assert_usage_error(capsys, [str(broken_result)], f"{broken_result / 'result.json'} cannot be read as JSON")
+    _assert_usage_error(capsys, [str(broken_result)], f"{broken_result / 'result.json'}: not a JSON result file")
     out_file = tmp_path / "out.txt"
     out_file.write_text("x")
     _assert_usage_error(capsys, [str(good), "--out", str(out_file)], f"--out {out_file} is a file")

@@ -1,5 +1,6 @@
-"""Python warnings of the demo's own process kept in a file, off the console, and the warnings logs of a
-demo's folder (its own and its ranks'), so its last lines can say where they are."""
+"""Python warnings (torch's included) kept in a file, off the console: a training rank's in its run
+directory, the demo's own in its folder; and the warnings logs of a demo's folder (its own and its ranks'),
+so its last lines can say where they are."""
 
 from __future__ import annotations
 
@@ -10,25 +11,30 @@ from typing import Any
 
 
 class KeptWarnings:
-    """Python warnings raised in this process go to `path` (created at the first one), not the console."""
+    """Python warnings raised in this process go to `path` (created at the first one), not the console,
+    each line prefixed with `[who]`; warnings whose message starts with one of `ignore` are dropped."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, who: str = "demo", ignore: tuple[str, ...] = ()) -> None:
         self.path = Path(path)
+        self.who = who
+        self.ignore = ignore
         self.count = 0
 
     def __enter__(self) -> KeptWarnings:
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
+        for message in self.ignore:
+            warnings.filterwarnings("ignore", message=message)
         warnings.showwarning = self._write
         return self
 
     def _write(self, message: Any, category: type, filename: str, lineno: int, file: Any = None,
                line: str | None = None) -> None:
         self.count += 1
-        with contextlib.suppress(OSError):  # a warning must never end the demo
+        with contextlib.suppress(OSError):  # a warning must never end a run
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as handle:
-                handle.write(f"[demo] {filename}:{lineno}: {category.__name__}: {message}\n")
+                handle.write(f"[{self.who}] {filename}:{lineno}: {category.__name__}: {message}\n")
 
     def __exit__(self, *exc: object) -> None:
         self._catch.__exit__(*exc)

@@ -8,7 +8,6 @@ show does not read are left alone (extra="allow"), so files of older and newer r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,6 +15,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
+from meshfit.jsonfile import read_json_object
 from meshfit.paths import PathError, read_text
 
 # Keys every step record has carried since metrics.jsonl exists; the table and plots need them.
@@ -183,13 +183,9 @@ def read_result(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        data = json.loads(read_text(path, "result file"))
-    except PathError as exc:
+        data = read_json_object(path, "result file (the run's result object)")
+    except ValueError as exc:  # PathError included
         raise ShowError(str(exc)) from None
-    except json.JSONDecodeError as exc:
-        raise ShowError(f"{path} cannot be read as JSON ({exc}): expected the run's result object") from None
-    if not isinstance(data, dict):
-        raise ShowError(f"{path} is not a JSON object: expected the run's result object")
     wrong = problem(Result, data)
     if wrong:
         raise ShowError(f"{path}: {wrong}")

@@ -76,8 +76,10 @@ def free_port() -> int:
 def rank_threads(nproc: int) -> int:
     """Intra-op threads per local rank: ranks share the cores (without this each would start one thread
     per core and oversubscribe them); OMP_NUM_THREADS, when set, decides."""
+    from meshfit.capacity import usable_cores
+
     env = os.environ.get("OMP_NUM_THREADS", "")
-    return int(env) if env.isdigit() and int(env) > 0 else max(1, (os.cpu_count() or 1) // nproc)
+    return int(env) if env.isdigit() and int(env) > 0 else max(1, usable_cores() // nproc)
 
 
 def under_torchrun() -> bool:

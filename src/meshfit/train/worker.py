@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from meshfit.kept_warnings import KeptWarnings
+
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
@@ -46,35 +48,12 @@ def run_worker(run_dir: Path, cfg: Any, quiet: bool = False) -> int:
     return 0
 
 
-class warnings_to_log:  # noqa: N801 - used as a context manager, like contextlib's
-    """Route Python warnings (torch's included) to RUN_DIR/warnings.log, prefixed by the rank."""
-
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.path = Path(run_dir) / "warnings.log"
-        self.rank = rank
-
-    def __enter__(self) -> warnings_to_log:
-        import warnings
-
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        # When the budget stops a forward pass, torch also warns that FSDP's always-call hook saw the same
-        # error; the budget error itself is what the user needs.
-        warnings.filterwarnings("ignore", message="module forward hook with ``always_call=True``")
-        warnings.showwarning = self._write
-        return self
-
-    def _write(self, message: Any, category: type, filename: str, lineno: int, file: Any = None,
-               line: str | None = None) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as handle:
-                handle.write(f"[rank {self.rank}] {filename}:{lineno}: {category.__name__}: {message}\n")
-        except OSError:
-            pass  # a warning must never end a run
-
-    def __exit__(self, *exc: object) -> None:
-        self._catch.__exit__(*exc)
+def warnings_to_log(run_dir: Path, rank: int) -> KeptWarnings:
+    """Python warnings (torch's included) of this rank go to RUN_DIR/warnings.log, prefixed by the rank."""
+    # When the budget stops a forward pass, torch also warns that FSDP's always-call hook saw the same
+    # error; the budget error itself is what the user needs.
+    return KeptWarnings(Path(run_dir) / "warnings.log", f"rank {rank}",
+                        ignore=("module forward hook with ``always_call=True``",))
 
 
 def _abandon_group() -> None:
