@@ -318,6 +318,10 @@ PLAN_FLAGS = [
     case("plan-out-exists", f"{SMALL_PLAN} --out {{ws}}/afile", "--out", "exists", "--overwrite"),
     case("plan-out-unwritable", f"{SMALL_PLAN} --out /proc/meshfit-plan.json", "--out /proc/meshfit-plan.json",
          "cannot be written", marks=NEEDS_PROC),
+    case("train-run-dir-unwritable", "train --run-dir /proc/meshfit-run", "--run-dir /proc/meshfit-run",
+         "cannot be written", marks=NEEDS_PROC),
+    case("demo-run-dir-unwritable", "demo --run-dir /proc/meshfit-demo", "--run-dir /proc/meshfit-demo",
+         "cannot be written", marks=NEEDS_PROC),
     case("calibrate-out-exists", "calibrate --out {ws}/afile", "--out", "exists", "--overwrite", "!calibrating"),
     case("plan-cpu-offload", "plan --model tiny --gpu cpu --gpu-memory 80MiB --gpus-per-node 2 --layout "
          "dp_shard=2,offload=true", "offload=true", "on CPU ranks the host is the same memory", "!calibrating"),

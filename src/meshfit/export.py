@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from meshfit.models.config import ModelConfig
 from meshfit.models.hf_weights import save_hf
 from meshfit.models.init import strip_padding
-from meshfit.paths import PathError, check_out_dir
 from meshfit.train import checkpoint_store as store
 from meshfit.train.checkpoint_store import CheckpointError
 
@@ -59,10 +58,6 @@ def check_out(out_dir: Path, overwrite: bool = False) -> None:
     from meshfit.train.preflight import check_location
 
     check_location(out_dir, "--out")
-    try:
-        check_out_dir(out_dir, "--out")
-    except PathError as exc:
-        raise ConfigError(str(exc)) from None
     existing = [name for name in OUT_FILES if (Path(out_dir) / name).exists()]
     if existing and not overwrite:
         raise ConfigError(f"--out {out_dir} already holds {' and '.join(existing)} (an earlier export?): replace "

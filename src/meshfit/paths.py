@@ -70,11 +70,17 @@ def _try_write(path: Path, flag: str) -> None:
 
 
 def check_out_dir(path: Path, flag: str) -> None:
-    """Files can be created in the folder ``path`` (or, when it does not exist yet, in its nearest existing
-    ancestor, where it would be made): tried with a temporary file that is removed again."""
-    folder = Path(path)
+    """A folder can be made at ``path`` and written: it is not a file, the nearest existing ancestor is a
+    folder, and files can be created in it (tried with a temporary file that is removed again:
+    permissions alone miss read-only mounts and special file systems such as /proc)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise PathError(f"{flag} {path} is a file, not a directory: choose another path")
+    folder = path
     while not folder.exists():
         folder = folder.parent
+    if not folder.is_dir():
+        raise PathError(f"{flag} {path}: {folder} is a file, so no directory can be made under it")
     try:
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".meshfit-probe-")
     except OSError as exc:

@@ -11,7 +11,6 @@ resume are named here, once, before any rank starts.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,16 +36,12 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
 
 def check_location(run_dir: Path, flag: str = "--run-dir") -> None:
     """The directory can be created and written; names the file in the way otherwise."""
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"{flag} {run_dir} is a file, not a directory: choose another path")
-    ancestor = run_dir
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ConfigError(f"{flag} {run_dir}: {ancestor} is a file, so no directory can be made under it")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {run_dir}: {ancestor} is not writable")
+    from meshfit.paths import PathError, check_out_dir
+
+    try:
+        check_out_dir(run_dir, flag)
+    except PathError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def run_contents(run_dir: Path, root: Path) -> list[str]:
