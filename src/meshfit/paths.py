@@ -42,13 +42,7 @@ def check_out_file(path: Path, flag: str, overwrite: bool, example: str, make_pa
     if not parent.exists():
         if not make_parents:
             raise PathError(f"{flag} {path}: the folder {parent} does not exist")
-        ancestor = parent
-        while not ancestor.exists():
-            ancestor = ancestor.parent
-        if not ancestor.is_dir():
-            raise PathError(f"{flag} {path}: {ancestor} is a file, so {path.name} cannot be written under it")
-        if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise PathError(f"{flag} {path}: the folder {ancestor} is not writable")
+        check_out_dir(parent, flag)  # the command makes the folder, then writes the file in it
         return
     if not parent.is_dir():
         raise PathError(f"{flag} {path}: {parent} is a file, so {path.name} cannot be written under it")
