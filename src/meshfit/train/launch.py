@@ -293,7 +293,7 @@ def _start(cfg: Config, run_dir: Path, nproc: int | None, max_restarts: int, rem
 
 
 def _began(run_dir: Path, since: float) -> bool:
-    config = run_dir / "config.yaml"  # written by rank 0 once training begins (trainer.begin_run)
+    config = run_dir / "config.yaml"  # written by rank 0 once training begins (records.begin_run)
     return config.is_file() and config.stat().st_mtime >= since
 
 

@@ -10,7 +10,6 @@ record with every rank's peak memory breakdown, measured or carried over.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.data_parallel import GradientStash, gradient_stash, set_micro_batch
 from meshfit.parallel.host_reduce import HostReduceScatter, host_reduce_scatter
-from meshfit.parallel.compile import compile_seconds, compiled_blocks, eager_blocks
+from meshfit.parallel.compile import compile_seconds, eager_blocks
 from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
@@ -44,12 +43,12 @@ from meshfit.train.grad_norm import clip_grad_norm, grad_squares
 from meshfit.train.guard import StepGuard
 from meshfit.train.held_out import data_sources, held_out_reader
 from meshfit.train.loss import lm_loss
-from meshfit.train.metrics import MetricsLog, mfu, peak_flops
+from meshfit.train.metrics import MetricsLog, peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
 from meshfit.train.pipelined import Pipe, build_pipeline, pipeline_step
 from meshfit.train.shape import RunShape, resolve_run
-from meshfit.train.steady import steady_records
-from meshfit.train.vote import Ballot, Tally, Vote
+from meshfit.train.records import begin_run, compile_fields, step_record, summarize, write_result
+from meshfit.train.vote import Ballot, Vote
 
 
 @dataclass
@@ -234,29 +233,12 @@ def train_step(run: Run, guard: StepGuard | None = None) -> dict[str, Any]:
     tally = vote.tally
     elapsed = time.perf_counter() - start
     run.step += 1
-    record = _record(run, tally, float(grad_norm), lr, elapsed)
+    record = step_record(run, tally, float(grad_norm), lr, elapsed)
     if run.cfg.train.compile:
-        _compile_fields(run, record, compile_seconds() - run.compiling_since, tally.compiled)
+        compile_fields(run, record, compile_seconds() - run.compiling_since, tally.compiled)
     if guard is not None and guard.skipped:
         record["skipped"] = True
     return record
-
-
-def _compile_fields(run: Run, record: dict[str, Any], seconds: float, any_rank: bool) -> None:
-    """A compiled run's step says whether its blocks ran eagerly (under the memory tracker, which
-    torch.compile does not support) and how long this rank spent compiling in it."""
-    if any(m.get("measured") == "tracker" for m in record["mem"]):
-        record["blocks"] = "eager"
-    for mem in record["mem"]:  # a breakdown, measured or carried over, is an eager step's
-        if mem.get("measured") in ("tracker", "carried"):
-            mem["breakdown_blocks"] = "eager"
-    if any_rank and run.meter is not None:  # every rank alike: tracked steps gather from all of them
-        run.meter.compiled()
-    if seconds > 0:
-        record["compile_s"] = seconds
-        if run.env.rank == 0:
-            print(f"compiled {compiled_blocks(run.model)} blocks in {seconds:.1f} s (step {run.step}, rank 0; "
-                  "left out of step-time figures)", flush=True)
 
 
 def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
@@ -296,49 +278,6 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     return losses, grad_norm, vote
 
 
-def _record(run: Run, tally: Tally, grad_norm: float, lr: float, elapsed: float) -> dict[str, Any]:
-    extra = {"stages": run.pipe.stage_ids} if run.pipe is not None else {}
-    per_rank, retracked = run.meter.records(run.env.world_size, extra, tally.counters)
-    tokens = run.cfg.train.global_batch * run.cfg.train.seq_len
-    tps = tokens / elapsed
-    record = {
-        "step": run.step, "time": time.time(), "loss": tally.loss, "grad_norm": grad_norm, "lr": lr,
-        "tokens_per_s": tps, "step_time_s": elapsed,
-        "mfu": mfu(tps, run.flops_per_token, run.env.world_size, run.peak_flops),
-        "peak_mem_bytes": max(m["peak"] for m in per_rank), "mem": per_rank,
-    }
-    if retracked:
-        record["retracked"] = True  # memory grew after tracking stopped: this step was measured again
-    return record
-
-
-def summarize(run: Run) -> dict[str, Any]:
-    """Run-level result: this launch's losses, the highest per-rank peak of any step, and the last step's
-    breakdown.
-
-    The breakdown comes from the last step because the first steps are not yet steady: optimizer states
-    appear during step 1 and DDP rebuilds its gradient buckets once in step 2.
-    """
-    history = run.history
-    return {
-        "layout": run.shape.dims.describe(), "zero_stage": run.shape.zero_stage,
-        "world_size": run.env.world_size, "steps": len(history), "start_step": run.start_step,
-        "end_step": run.step,
-        "final_loss": history[-1]["loss"] if history else None, "losses": [r["loss"] for r in history],
-        "grad_norms": [r["grad_norm"] for r in history],
-        "skipped_steps": [r["step"] for r in history if r.get("skipped")],
-        "val_losses": [{"step": r["step"], "val_loss": r["val_loss"]} for r in history if "val_loss" in r],
-        "peak_mem_bytes": max((r["peak_mem_bytes"] for r in history), default=0),
-        "mem": history[-1]["mem"] if history else [],
-        "mean_step_time_s": _mean([r["step_time_s"] for r in steady_records(history)]),
-        **({"compile_s": sum(r.get("compile_s", 0.0) for r in history)} if run.cfg.train.compile else {}),
-    }
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(1, len(values))
-
-
 def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
     """Train `cfg` on this rank; rank 0 writes config.yaml (once training begins), metrics.jsonl and
     result.json into run_dir.
@@ -365,7 +304,7 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
                 _loop(run, ckpt, guard, watchdog, faults)
             except BaseException as exc:
                 if writer:  # the run began: its result says it failed (the failure report says why)
-                    _write_result(run_dir, {**summarize(run), "status": "failed", "error": str(exc),
+                    write_result(run_dir, {**summarize(run), "status": "failed", "error": str(exc),
                                             "attempt": attempt})
                 raise
         finally:
@@ -378,29 +317,8 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
         result.update(status="interrupted", signal=stop.signal_name,
                       stopped=f"{stop.signal_name or 'stop request'} after step {run.step}")
     if writer:
-        _write_result(run_dir, result)
+        write_result(run_dir, result)
     return result
-
-
-def begin_run(cfg: Config, run_dir: Path, start_step: int) -> None:
-    """config.yaml is the config of the launch that trains now; a launch that changed it keeps the one
-    before as config-step-<N>.yaml (N: the step it continued from), so no setting is lost."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path, text = run_dir / "config.yaml", cfg.to_yaml()
-    if path.is_file() and path.read_text() != text:
-        keep, n = run_dir / f"config-step-{start_step}.yaml", 1
-        while keep.exists():  # resumed from this step before: keep every config that trained
-            n += 1
-            keep = run_dir / f"config-step-{start_step}-{n}.yaml"
-        path.rename(keep)
-    path.write_text(text)
-
-
-def _write_result(run_dir: Path, result: dict[str, Any]) -> None:
-    result = {**result, "finished_at": time.time()}
-    tmp = run_dir / ".result.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(run_dir / "result.json")  # never a half-written result
 
 
 def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, faults: Faults) -> None:
