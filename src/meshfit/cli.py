@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace model.safetensors and config.json already in --out (refused without it)")
     demo = sub.add_parser("demo", help="the seed scenario: a model over a per-rank memory budget")
     demo.add_argument("--run-dir", type=Path, metavar="DIR", help="output folder (default runs/demo-<time>)")
-    demo.add_argument("--nproc", type=positive_int, default=2, metavar="N", help="local CPU ranks (default 2)")
+    demo.add_argument("--nproc", type=positive_int, default=2, metavar="N", help="local CPU ranks: 2 (default) or 4")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's output in --run-dir")
     demo.add_argument("--oversubscribe", action="store_true", help=_OVERSUBSCRIBE)
     cal = sub.add_parser("calibrate", help="measure this machine's compute, memory and collective rates for "

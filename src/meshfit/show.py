@@ -247,8 +247,8 @@ def _last_val(recs: list[dict[str, Any]]) -> str:
 
 def summary_table(runs: list[RunView]) -> Table:
     rows = [summary_row(r) for r in runs]
-    table = Table(title="runs", caption="medians over steps 2+ (without compiling steps); val loss: the latest, "
-                  "@ its step; peak mem: the most-loaded rank over all steps")
+    table = Table(title="runs", caption="medians over steps 2+ (without compiling or eager-tracked compiled "
+                  "steps); val loss: the latest, @ its step; peak mem: the most-loaded rank over all steps")
     for column in rows[0]:
         table.add_column(column, justify="left" if column in ("run", "layout", "status") else "right")
     for row in rows:
