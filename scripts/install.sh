@@ -22,8 +22,15 @@ fi
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".${extras}"
 
 # train.compile on CPU: torch's inductor backend builds its kernels with a C++ compiler ($CXX, else g++).
-# Optional: without one everything else works, and a run that asks for compile is refused with this advice.
+# As root on a Debian-like system it is installed when missing (MESHFIT_NO_SYSTEM_PACKAGES=1 skips that);
+# elsewhere a note says so: everything else works without it, and a run that asks for compile is refused.
 if ! "${CXX:-g++}" --version >/dev/null 2>&1; then
-  echo "note: no working C++ compiler (${CXX:-g++}): train.compile=true on CPU needs one; install it" \
-       "(e.g. apt-get install g++) or point \$CXX at one" >&2
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${MESHFIT_NO_SYSTEM_PACKAGES:-}" ]; then
+    echo "installing g++ (train.compile on CPU builds its kernels with it)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; } ||
+      echo "note: g++ could not be installed: train.compile=true on CPU needs a C++ compiler" >&2
+  else
+    echo "note: no working C++ compiler (${CXX:-g++}): train.compile=true on CPU needs one; install it" \
+         "(e.g. apt-get install g++) or point \$CXX at one" >&2
+  fi
 fi
