@@ -338,9 +338,10 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Mo
     import torch
 
     from meshfit.testing import RankFailed, run_ranks
+    from meshfit.train.dist import wants_cuda
     from meshfit.train.launch import rank_threads
 
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    cuda = wants_cuda(device)
     if cuda and nproc > torch.cuda.device_count():
         raise CalibrationError(f"--nproc {nproc} needs one GPU per rank; this machine has "
                                f"{torch.cuda.device_count()} visible to torch")

@@ -265,8 +265,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from meshfit.calibrate import CalibrationError, calibrate
+    from meshfit.train.dist import wants_cuda
 
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    cuda = wants_cuda(args.device)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but no CUDA device is visible to torch on this machine", file=sys.stderr)
         return 2

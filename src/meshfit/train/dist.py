@@ -18,8 +18,14 @@ class RankEnv:
     device: torch.device
 
 
+def wants_cuda(preference: str) -> bool:
+    """Whether a device preference ("auto", "cpu", "cuda") puts ranks on GPUs: "auto" does when one is
+    visible. The one rule for training, calibration and config checks."""
+    return preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+
+
 def pick_device(preference: str, local_rank: int) -> torch.device:
-    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+    if wants_cuda(preference):
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
         return torch.device("cuda", local_rank % torch.cuda.device_count())

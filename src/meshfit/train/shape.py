@@ -135,7 +135,9 @@ def _check_init_from(cfg: Config) -> None:
 
 def _on_cpu(device: str) -> bool:
     """Whether train.device puts the run on CPU ranks."""
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    from meshfit.train.dist import wants_cuda
+
+    return not wants_cuda(device)
 
 
 def _check_memory(cfg: Config) -> None:
