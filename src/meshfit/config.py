@@ -8,22 +8,17 @@ name and what would be valid instead of surfacing as a stack trace on every rank
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from meshfit.config_file import ConfigError, read_config_file
 from meshfit.names import did_you_mean
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.schedules import SCHEDULES
 from meshfit.units import parse_bytes
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the valid choices."""
 
 
 class _Section(BaseModel):
@@ -335,45 +330,6 @@ def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
     return ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(lines))
 
 
-_FORMATS = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
-
-
-def _parse_problem(exc: Exception) -> str:
-    # YAML's message spans several lines with a copy of the source; its first problem and position suffice.
-    mark = getattr(exc, "problem_mark", None)
-    if isinstance(exc, yaml.YAMLError) and mark is not None:
-        return f"{getattr(exc, 'problem', None) or exc} (line {mark.line + 1}, column {mark.column + 1})"
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    valid = "expected a .toml, .yaml, .yml or .json config file"
-    if path.is_dir():
-        raise ConfigError(f"--config {path} is a directory; {valid} (e.g. {path / 'config.yaml'})")
-    if not path.is_file():
-        raise ConfigError(f"--config {path}: config file does not exist ({valid})")
-    if path.suffix not in _FORMATS:
-        raise ConfigError(f"--config {path}: unknown format {path.suffix!r}; {valid}")
-    try:
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}); {valid}") from None
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"config file {path} cannot be parsed as {_FORMATS[path.suffix]}: "
-                          f"{_parse_problem(exc)}") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)})")
-    return data
-
-
 def _scalar(text: str) -> Any:
     # Pydantic coerces strings to numbers and booleans; only null needs translating here.
     return None if text.strip().lower() in ("null", "none", "~") else text
@@ -401,7 +357,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 sections: dict[str, dict[str, Any]] | None = None) -> Config:
     """Read a config file (optional), lay typed `sections` over it (e.g. a plan's), then apply the --set
     overrides; raises ConfigError naming each bad field."""
-    data = _read_file(Path(path)) if path else {}
+    data = read_config_file(Path(path), SECTIONS) if path else {}
     for section, values in (sections or {}).items():
         if not isinstance(data.get(section) or {}, dict):
             raise ConfigError(f"config file {path}: {section!r} is {data[section]!r}, not a section of keys")
