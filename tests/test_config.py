@@ -65,7 +65,7 @@ def test_bad_files(tmp_path):
 def test_parallel_dims_resolution():
     assert ParallelDims.resolve(-1, 1, 1, 1, 4).dp_replicate == 4
     assert ParallelDims.resolve(2, -1, 1, 1, 8).dp_shard == 4
-    with pytest.raises(ValueError, match=r"1 × 2 × 1 × 1 = 2, but the world size is 4"):
+    with pytest.raises(ValueError, match=r"1 × 2 × 1 × 1 × 1 = 2, but the world size is 4"):
         ParallelDims.resolve(2, 1, 1, 1, 4)
     with pytest.raises(ValueError, match="at most one degree"):
         ParallelDims.resolve(-1, -1, 1, 1, 4)
@@ -108,5 +108,5 @@ def test_an_unset_dp_shard_takes_the_ranks_the_other_degrees_leave(overrides, wo
 
 def test_a_set_dp_replicate_under_ddp_is_not_completed_by_an_unset_dp_shard():
     """zero_stage=0 shards nothing: the error names the degrees given, not a dp_shard nobody set."""
-    with pytest.raises(ConfigError, match=r"1 × 2 × 1 × 1 = 2, but the world size is 4"):
+    with pytest.raises(ConfigError, match=r"1 × 2 × 1 × 1 × 1 = 2, but the world size is 4"):
         resolve_run(load_config(None, ["parallel.dp_replicate=2", "parallel.zero_stage=0"]), 4)

@@ -90,6 +90,9 @@ class ParallelSection(_Section):
     dp_shard: int | None = None
     tp: int = 1
     pp: int = 1
+    # Context parallelism: each sequence split over cp ranks (parallel/context_parallel.py); they hold the
+    # same weights, sharded with dp_shard when zero_stage ≥ 1.
+    cp: int = 1
     # 0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP). None: 3 when
     # dp_shard > 1, else 0. Sharding happens across dp_shard; dp_replicate replicates (HSDP).
     zero_stage: int | None = None
@@ -100,7 +103,7 @@ class ParallelSection(_Section):
     sp: bool = False  # sequence parallelism for norms, dropout and the residual stream (needs tp > 1)
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (needs tp > 1)
 
-    _check = field_validator("dp_replicate", "dp_shard", "tp", "pp")(_degree)
+    _check = field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp")(_degree)
 
     @field_validator("zero_stage")
     @classmethod

@@ -130,6 +130,7 @@ class _Parallel(BaseModel):
     pp: Degree = None
     dp_replicate: Degree = None
     dp_shard: Degree = None
+    cp: Degree = None
     tp: Degree = None
     zero_stage: Stage = None
     activation_checkpointing: Text = None

@@ -26,7 +26,8 @@ from meshfit import runfiles
 from meshfit.paths import PathError, read_text
 from meshfit.runfiles import MEM_CATEGORIES, REQUIRED_KEYS, ShowError, read_config, read_result
 from meshfit.train.steady import steady_records
-from meshfit.parallel.rules import data_parallel_rest
+from meshfit.parallel.dims import MESH_DIMS
+from meshfit.parallel.rules import data_parallel_rest, default_zero_stage
 from meshfit.units import fmt_bytes
 
 METRICS = "metrics.jsonl"
@@ -155,11 +156,11 @@ def load_run(path: Path) -> RunView:
 def _degrees(parallel: dict[str, Any], world: int | None) -> dict[str, int]:
     """The mesh degrees of a config's parallel section, with a -1 ("the rest") resolved when the world
     size is known."""
-    names = ("pp", "dp_replicate", "dp_shard", "tp")
+    names = MESH_DIMS
     degrees = {n: int(parallel.get(n) or 1) for n in names}
     if "dp_shard" in parallel and parallel["dp_shard"] is None:  # unset: data parallelism takes the rest
         degrees["dp_replicate"], degrees["dp_shard"] = data_parallel_rest(
-            degrees["dp_replicate"], None, degrees["tp"], degrees["pp"], parallel.get("zero_stage"))
+            degrees["dp_replicate"], None, degrees["tp"], degrees["pp"], parallel.get("zero_stage"), degrees["cp"])
     known = 1
     for n in names:
         known *= degrees[n] if degrees[n] > 0 else 1
@@ -182,8 +183,8 @@ def layout_label(result: dict[str, Any] | None, config: dict[str, Any], world: i
     if stage is None:
         stage = parallel.get("zero_stage")
     if stage is None:
-        stage = 3 if degrees["dp_shard"] > 1 else 0  # the config's own default
-    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+        stage = default_zero_stage(degrees["dp_shard"], degrees["cp"])  # the config's own default
+    dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"]
     if dp > 1 or stage:
         mesh += f" ZeRO-{stage}" if stage else " DDP"
     extras = []

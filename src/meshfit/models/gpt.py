@@ -66,8 +66,11 @@ class GPT(TiedHead):
     Pipeline stages: with ``tok_embeddings`` set to ``None`` the input is
     hidden states ``[b, s, dim]`` (positions and embedding dropout were
     applied by the first stage); with ``norm``/``output`` set to ``None``
-    hidden states are returned.
+    hidden states are returned. ``position_rows``: the global positions of the
+    tokens this rank holds (set by context parallelism); None: 0, 1, 2, ...
     """
+
+    position_rows: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -87,7 +90,10 @@ class GPT(TiedHead):
             max_len = self.pos_embeddings.num_embeddings
             if seqlen > max_len:
                 raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={max_len}")
-            h = h + self.pos_embeddings(torch.arange(seqlen, device=tokens.device))
+            rows = self.position_rows
+            positions = (torch.arange(seqlen, device=tokens.device) if rows is None
+                         else rows[:seqlen].to(tokens.device))
+            h = h + self.pos_embeddings(positions)
         return self.drop(h)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Building blocks shared by both model families, written for what they keep for backward.
 
-* ``AttentionCore``: causal attention of ``[b, heads, s, head_dim]`` queries, keys and values. "flash"
+* ``AttentionCore``: causal attention of ``[b, heads, s, head_dim]`` queries, keys and values (with fewer
+  queries than keys, the queries are the last positions of the keys', as under context parallelism). "flash"
   runs torch's fused ``scaled_dot_product_attention`` (it keeps its output and a log-sum-exp per head and
   query; grouped key/value heads are not repeated); "eager" materialises the scores as Megatron-LM's
   unfused path does (Korthikanti et al. 2022: softmax output, dropout mask and dropout output, 5·a·s²·b
@@ -14,10 +15,23 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
+
+
+@functools.lru_cache(maxsize=64)
+def _lower_right(queries: int, keys: int) -> CausalBias:
+    # The bias holds no data, only its sizes. Made outside any dispatch mode (a memory tracker, a dry run's
+    # fake tensors), which would otherwise hand back a plain tensor where the subclass is being created.
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
 
 class AttentionCore(nn.Module):
     def __init__(self, dropout: float, kernel: str) -> None:
@@ -27,16 +41,20 @@ class AttentionCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
+        seqlen, keys = q.shape[2], k.shape[2]
         if self.kernel == "flash":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+            # Fewer queries than keys: the mask's diagonal ends at the last key (torch's lower-right causal
+            # bias, which the fused kernels run without materializing the mask).
+            mask = _lower_right(seqlen, keys) if keys != seqlen else None
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                   enable_gqa=k.shape[1] != q.shape[1])
         # Grouped key/value heads without repeating them: the queries of one group are stacked along the
         # sequence, so both matmuls read (and keep) K and V at their own width.
-        b, heads, seqlen, head_dim = q.shape
+        b, heads, _, head_dim = q.shape
         groups = k.shape[1]
         q = q.reshape(b, groups, heads // groups * seqlen, head_dim)
         scores = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
-        future = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).triu(1)
+        future = torch.ones(seqlen, keys, dtype=torch.bool, device=q.device).triu(1 + keys - seqlen)
         probs = scores.masked_fill(future.repeat(heads // groups, 1), float("-inf")).softmax(dim=-1)
         if p > 0:
             probs = torch.native_dropout(probs, p, True)[0]

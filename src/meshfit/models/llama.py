@@ -22,8 +22,12 @@ class RotaryEmbedding(nn.Module):
 
     The tables are non-persistent buffers: they are not checkpointed and are
     recomputed by :meth:`init_buffers` after ``to_empty`` materializes a
-    meta-device model.
+    meta-device model. Row i holds position i, unless ``position_rows`` (the
+    global positions of the tokens this rank holds, set by context
+    parallelism) says otherwise for the first rows.
     """
+
+    position_rows: torch.Tensor | None = None
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
@@ -40,6 +44,8 @@ class RotaryEmbedding(nn.Module):
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
         inv_freq = 1.0 / (self.theta ** (half / self.head_dim))
         positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
+        if self.position_rows is not None:
+            positions[:len(self.position_rows)] = self.position_rows.to(device, torch.float32)
         angles = torch.outer(positions, inv_freq)
         # Same angle for channel i and i + head_dim/2 ("rotate half" layout).
         angles = torch.cat((angles, angles), dim=-1)

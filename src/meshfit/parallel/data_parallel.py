@@ -1,5 +1,8 @@
 """Data parallelism over the dp_replicate × dp_shard mesh: DDP, ZeRO-1/2/3 (FSDP2), HSDP, offload, bf16.
 
+Context-parallel ranks hold the same weights and see other parts of the same sequences: they join the
+gradient averaging, and FSDP shards over dp_shard × cp (N below).
+
 What each stage keeps on a rank (N = dp_shard), all sharded state split evenly element by element:
 
   stage 0  DDP                          full weights, full gradients (views into DDP's buckets), full states
@@ -50,16 +53,19 @@ def apply_ddp(model: nn.Module, meshes: Meshes) -> nn.Module:
     """
     device = next(model.parameters()).device
     device_ids = None if device.type == "cpu" else [device]
-    return DistributedDataParallel(model, process_group=meshes.dp.get_group(), device_ids=device_ids,
+    # Nor at construction: under context parallelism each rank's RoPE table holds its own positions.
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, [name for name, _ in model.named_buffers()])
+    return DistributedDataParallel(model, process_group=meshes.dp_cp.get_group(), device_ids=device_ids,
                                    gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
 
 
 def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
-    """1-D mesh over dp_shard (FSDP), or the 2-D (dp_replicate, dp_shard) mesh (HSDP; with dp_shard = 1,
-    replicas)."""
+    """1-D mesh over dp_shard (× cp) (FSDP), or the 2-D (dp_replicate, dp_shard (× cp)) mesh (HSDP; with
+    dp_shard × cp = 1, replicas)."""
     if dims.dp_replicate > 1:
-        return meshes.world["dp_replicate", "dp_shard"]
-    return meshes.world["dp_shard"]
+        return meshes.world["dp_replicate", "dp_shard_cp" if dims.cp > 1 else "dp_shard"]
+    return meshes.shard
 
 
 def precision_policy(stage: int, mixed_precision: bool) -> MixedPrecisionPolicy:

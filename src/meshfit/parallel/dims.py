@@ -9,8 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshfit.parallel.rules import data_parallel_rest
 
-# Outer to inner: pipeline stages span nodes, tensor parallelism stays on the fastest links.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# Outer to inner: pipeline stages span nodes, tensor parallelism stays on the fastest links, context
+# parallelism (a collective per layer) next to it.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def divisors(n: int) -> list[int]:
@@ -19,10 +20,14 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Meshes:
-    """The world mesh plus the flattened data-parallel mesh that gradient reduction and data use."""
+    """The world mesh plus flattened meshes: `dp` (dp_replicate × dp_shard) reads different data; `dp_cp`
+    (× cp) holds replicas of the same weights, so gradients are averaged over it; `shard` is what FSDP
+    shards over (dp_shard × cp: context-parallel ranks do not replicate parameters)."""
 
     world: DeviceMesh
     dp: DeviceMesh
+    dp_cp: DeviceMesh
+    shard: DeviceMesh
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.dp if name == "dp" else self.world[name]
@@ -30,23 +35,24 @@ class Meshes:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of data (replicate × shard), tensor and pipeline parallelism; product = world size."""
+    """Degrees of data (replicate × shard), context, tensor and pipeline parallelism; product = world size."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     pp: int
+    cp: int = 1
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int | None, tp: int, pp: int, world_size: int,
-                zero_stage: int | None = None) -> ParallelDims:
+                zero_stage: int | None = None, cp: int = 1) -> ParallelDims:
         """Fill in at most one -1 degree ("the rest") and check the product equals world_size.
 
         dp_shard None (unset): the data-parallel rest of rules.data_parallel_rest (zero_stage decides
         whether it is sharded or replicated)."""
         implied = dp_shard is None
-        dp_replicate, dp_shard = data_parallel_rest(dp_replicate, dp_shard, tp, pp, zero_stage)
-        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+        dp_replicate, dp_shard = data_parallel_rest(dp_replicate, dp_shard, tp, pp, zero_stage, cp)
+        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp}
         free = [name for name, d in degrees.items() if d == -1]
         if len(free) > 1:
             raise ValueError(f"parallel: at most one degree may be -1 (the rest); got -1 for {', '.join(free)}")
@@ -67,11 +73,11 @@ class ParallelDims:
         return dims
 
     def check(self, world_size: int) -> None:
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != world_size:
             shown = " × ".join(str(getattr(self, n)) for n in MESH_DIMS)
             raise ValueError(
-                f"parallel: pp × dp_replicate × dp_shard × tp = {shown} = {product}, but the world size is "
+                f"parallel: {' × '.join(MESH_DIMS)} = {shown} = {product}, but the world size is "
                 f"{world_size}; the degrees must multiply to the number of ranks (set one of them to -1 to "
                 "take the rest)"
             )
@@ -82,14 +88,18 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def describe(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) > 1]
         return " × ".join(parts) if parts else "single rank"
 
     def build_mesh(self, device_type: str) -> Meshes:
-        """The 4-D named mesh (size-1 dims included, so code can always slice by name) and the dp mesh."""
+        """The 5-D named mesh (size-1 dims included, so code can always slice by name) and the flattened
+        meshes of `Meshes`."""
         world = init_device_mesh(device_type, tuple(getattr(self, n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
         dp = world["dp_replicate", "dp_shard"]._flatten("dp")
-        return Meshes(world=world, dp=dp)
+        if self.cp == 1:
+            return Meshes(world=world, dp=dp, dp_cp=dp, shard=world["dp_shard"])
+        dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return Meshes(world=world, dp=dp, dp_cp=dp_cp, shard=world["dp_shard", "cp"]._flatten("dp_shard_cp"))

@@ -1,7 +1,7 @@
 """parallelize(): the one place that turns a plain single-device model into the configured layout.
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
-tensor parallelism (DTensor) -> activation checkpointing (and, under sequence parallelism, re-gathering
+tensor parallelism (DTensor) -> context parallelism (attention across the cp ranks) -> activation checkpointing (and, under sequence parallelism, re-gathering
 in backward) -> torch.compile of each block (train.compile) -> data-parallel sharding (FSDP2, still on
 meta) -> materialize and initialize (identical full weights in every layout) -> DDP for the replicated
 stage 0.
@@ -20,6 +20,7 @@ from meshfit.config import ParallelSection
 from meshfit.models import ModelConfig, init_weights
 from meshfit.parallel.activation import apply_activation_checkpointing, keeps_block_graph
 from meshfit.parallel.compile import apply_compile
+from meshfit.parallel.context_parallel import apply_context_parallel
 from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.kinds import data_parallel_kind
@@ -28,11 +29,15 @@ from meshfit.parallel.tensor_parallel import apply_tensor_parallel, gathered_inp
 
 
 def apply_model_parallel(model: nn.Module, model_cfg: ModelConfig, tp_mesh: DeviceMesh | None,
-                         parallel: ParallelSection, compile_blocks: bool = False) -> None:
+                         parallel: ParallelSection, compile_blocks: bool = False,
+                         cp_mesh: DeviceMesh | None = None, seq_len: int = 0) -> None:
     """The layout's steps inside the model, on meta: tensor (and sequence) parallelism over `tp_mesh`
-    (None: no tensor parallelism), then activation checkpointing, then torch.compile of each block."""
+    (None: no tensor parallelism), context parallelism over `cp_mesh` for `seq_len`-long sequences (None:
+    none), then activation checkpointing, then torch.compile of each block."""
     if tp_mesh is not None:
         apply_tensor_parallel(model, model_cfg, tp_mesh, sp=parallel.sp, loss_parallel=parallel.loss_parallel)
+    if cp_mesh is not None:
+        apply_context_parallel(model, cp_mesh, seq_len)
     if parallel.activation_checkpointing != "none":
         apply_activation_checkpointing(model, parallel.activation_checkpointing, parallel.ac_every)
     if tp_mesh is not None and parallel.sp:
@@ -63,16 +68,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
                 parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
                 device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None = None,
                 materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                compile_blocks: bool = False) -> nn.Module:
+                compile_blocks: bool = False, seq_len: int = 0) -> nn.Module:
     """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it.
 
     `weights`: full starting weights by name (model.init_from) instead of the seeded initialization.
     `materialize` is entered around the steps that allocate (materialization, initialization, DDP): a
     dry run passes a FakeTensorMode there, while the layout itself is applied on meta outside it.
+    `seq_len`: the training sequence length (context parallelism places each rank's positions in it).
     """
     tp_mesh = meshes.world["tp"] if dims.tp > 1 else None
-    apply_model_parallel(model, model_cfg, tp_mesh, parallel, compile_blocks)
-    kind = data_parallel_kind(zero_stage, dims.dp, dims.tp, mixed_precision)
+    cp_mesh = meshes.world["cp"] if dims.cp > 1 else None
+    apply_model_parallel(model, model_cfg, tp_mesh, parallel, compile_blocks, cp_mesh, seq_len)
+    kind = data_parallel_kind(zero_stage, dims.dp * dims.cp, dims.tp, mixed_precision)
     # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
     if kind in ("fsdp", "replicas"):
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,

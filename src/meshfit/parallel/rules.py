@@ -9,18 +9,19 @@ from __future__ import annotations
 from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
 
 # Config section of each field the rules name.
-SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "zero_stage": "parallel",
+SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel", "zero_stage": "parallel",
            "offload": "parallel", "sp": "parallel", "loss_parallel": "parallel", "schedule": "pipeline",
-           "virtual_stages": "pipeline"}
+           "virtual_stages": "pipeline", "mixed_precision": "parallel"}
 
 
-def default_zero_stage(dp_shard: int) -> int:
-    """parallel.zero_stage when not given: FSDP (3) when state is sharded, else DDP (0)."""
-    return 3 if dp_shard > 1 else 0
+def default_zero_stage(dp_shard: int, cp: int = 1) -> int:
+    """parallel.zero_stage when not given: FSDP (3) when state is sharded (over dp_shard × cp: context-
+    parallel ranks hold the same weights, so they shard them), else DDP (0)."""
+    return 3 if dp_shard * cp > 1 else 0
 
 
 def data_parallel_rest(dp_replicate: int, dp_shard: int | None, tp: int, pp: int,
-                       zero_stage: int | None) -> tuple[int, int]:
+                       zero_stage: int | None, cp: int = 1) -> tuple[int, int]:
     """(dp_replicate, dp_shard) with an unset dp_shard (None) filled in, -1 meaning "the rest of the ranks".
 
     Unset, the data-parallel dimension takes the ranks the other degrees leave, as torchtitan's dp_shard
@@ -30,7 +31,7 @@ def data_parallel_rest(dp_replicate: int, dp_shard: int | None, tp: int, pp: int
     is sharded. When another degree already takes the rest, dp_shard is 1."""
     if dp_shard is not None:
         return dp_replicate, dp_shard
-    if -1 in (dp_replicate, tp, pp):
+    if -1 in (dp_replicate, tp, pp, cp):
         return dp_replicate, 1
     if zero_stage == 0:
         return (-1 if dp_replicate == 1 else dp_replicate), 1
@@ -44,14 +45,20 @@ def _namer(config_names: bool):
 def layout_error(*, config_names: bool, **fields: object) -> str | None:
     """What is wrong with this combination (naming the field and what would work), or None.
 
-    ``fields``: dp_shard, tp, pp, zero_stage, offload, sp, loss_parallel, schedule, virtual_stages.
+    ``fields``: dp_shard, tp, pp, zero_stage, offload, sp, loss_parallel, schedule, virtual_stages, and
+    optionally cp and mixed_precision.
     """
     error = _first_error(_namer(config_names), **fields)  # type: ignore[arg-type]
     return error if error is None or config_names else f"layout {error}"
 
 
 def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offload: bool, sp: bool,
-                 loss_parallel: bool, schedule: str, virtual_stages: int) -> str | None:
+                 loss_parallel: bool, schedule: str, virtual_stages: int, cp: int = 1,
+                 mixed_precision: bool = False) -> str | None:
+    if zero_stage == 0 and cp > 1 and (tp > 1 or mixed_precision):
+        return (f"{name('cp')}={cp} with {name('zero_stage')}=0 replicates the weights on every context-parallel "
+                "rank, which meshfit does with DDP only in fp32 without tensor parallelism; use "
+                f"{name('zero_stage')} 1, 2 or 3 (state sharded over dp_shard × cp)")
     if zero_stage == 0 and dp_shard > 1:
         return (f"{name('dp_shard')}={dp_shard} shards state across ranks, which needs {name('zero_stage')} 1, 2 "
                 f"or 3; zero_stage=0 is DDP (use {name('dp_replicate')} for plain replicas)")

@@ -97,21 +97,22 @@ def gathered_input_regions(block: nn.Module, family: str) -> list[tuple[nn.Modul
             for region in ("attention", "feed_forward")]
 
 
-def tp_degree_error(cfg: ModelConfig, tp: int, seq_len: int, sp: bool) -> str | None:
+def tp_degree_error(cfg: ModelConfig, tp: int, seq_len: int, sp: bool,
+                    seq_field: str = "train.seq_len") -> str | None:
     """None if `tp` splits every sharded dimension evenly; else what it fails and the degrees that work.
 
     tp must divide the attention heads, the key/value heads, the MLP hidden size and, with sequence
-    parallelism, the sequence length; the vocabulary is padded instead (see models.config.pad_vocab_for_tp).
+    parallelism, the sequence length (`seq_field`: what the length is called); the vocabulary is padded instead (see models.config.pad_vocab_for_tp).
     """
     sizes = {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.n_kv_heads,
              "model.ffn_hidden": cfg.ffn_hidden}
     if sp:
-        sizes["train.seq_len"] = seq_len
+        sizes[seq_field] = seq_len
     failing = [f"{field}={size}" for field, size in sizes.items() if size % tp]
     if not failing:
         return None
     common = math.gcd(*sizes.values())
     valid = [d for d in range(1, common + 1) if common % d == 0]
-    shown = ", ".join(f"{f.split('.')[1]} {v}" for f, v in sizes.items())
+    shown = ", ".join(f"{f.split('.', 1)[1]} {v}" for f, v in sizes.items())
     return (f"parallel.tp={tp} must divide {', '.join(failing)}; tensor-parallel degrees that divide every "
             f"split size ({shown}): {', '.join(map(str, valid))}")

@@ -55,7 +55,8 @@ def evaluate(run: Run) -> dict[str, Any]:
         with torch.no_grad():
             total = torch.zeros((), dtype=torch.float64, device=run.env.device)
             tokens = 0
-            for inputs, targets in run.held_out:
+            for batch in run.held_out:
+                inputs, targets = run.local_tokens(*batch)
                 total += _loss_sum(run, inputs, targets)
                 tokens += targets.numel()
             holds_loss = run.pipe is None or run.pipe.last

@@ -17,6 +17,7 @@ from meshfit.models import ModelConfig
 from meshfit.models.hf_weights import safetensors_files
 from meshfit.models.config import pad_vocab_for_tp
 from meshfit.parallel.compile import toolchain_error
+from meshfit.parallel.context_parallel import cp_degree_error
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline import StagePlan, plan_stages
 from meshfit.parallel.rules import default_zero_stage, layout_error
@@ -76,10 +77,11 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
 def _layout(cfg: Config, dims: ParallelDims) -> int:
     """The resolved ZeRO stage, after the layout rules every entry point shares (parallel/rules.py)."""
     par, pipe = cfg.parallel, cfg.pipeline
-    stage = par.zero_stage if par.zero_stage is not None else default_zero_stage(dims.dp_shard)
+    stage = par.zero_stage if par.zero_stage is not None else default_zero_stage(dims.dp_shard, dims.cp)
     error = layout_error(dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, zero_stage=stage, offload=par.offload,
                          sp=par.sp, loss_parallel=par.loss_parallel, schedule=pipe.schedule,
                          virtual_stages=pipe.virtual_stages or default_virtual_stages(pipe.schedule),
+                         cp=dims.cp, mixed_precision=par.mixed_precision or cfg.train.precision == "bf16",
                          config_names=True)
     if error:
         raise ConfigError(error)
@@ -187,7 +189,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     """Validate `cfg` for `world_size` ranks; raises ConfigError with the field and valid choices."""
     p = cfg.parallel
     try:
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size, p.zero_stage)
+        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size, p.zero_stage, p.cp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     model = cfg.model.resolve()
@@ -202,7 +204,11 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     _check_memory(cfg)
     _check_compile(cfg)
     stage = _layout(cfg, dims)
-    if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len, p.sp)):
+    if dims.cp > 1 and (error := cp_degree_error(dims.cp, cfg.train.seq_len)):
+        raise ConfigError(error)
+    # Under context parallelism sequence parallelism splits each rank's part of the sequence.
+    seq_field = "train.seq_len" if dims.cp == 1 else "train.seq_len/parallel.cp"
+    if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len // dims.cp, p.sp, seq_field)):
         raise ConfigError(error)
     model = _padded(cfg, model, dims.tp)
     stages, microbatches = None, 1

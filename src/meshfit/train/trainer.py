@@ -33,6 +33,7 @@ from meshfit.parallel.dims import Meshes
 from meshfit.parallel.data_parallel import GradientStash, gradient_stash, set_micro_batch
 from meshfit.parallel.host_reduce import HostReduceScatter, host_reduce_scatter
 from meshfit.parallel.compile import compile_seconds, eager_blocks
+from meshfit.parallel.context_parallel import shard_sequence
 from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.checkpoint import Checkpointer
@@ -77,6 +78,14 @@ class Run:
     compiling_since: float = 0.0  # the process's compile seconds when the step began (train.compile)
     host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters on CPU ranks (host_reduce.py)
     held_out: HeldOut | None = None  # validation batches (train.eval_every > 0)
+    context: tuple[int, int] = (1, 0)  # (parallel.cp, this rank's index along it)
+
+    def local_tokens(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a batch's sequences: all of them, or under context parallelism its chunks."""
+        cp, rank = self.context
+        if cp == 1:
+            return inputs, targets
+        return shard_sequence(inputs, cp, rank), shard_sequence(targets, cp, rank)
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
@@ -95,7 +104,7 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
         model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
                             device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize,
-                            compile_blocks=cfg.train.compile)
+                            compile_blocks=cfg.train.compile, seq_len=cfg.train.seq_len)
     optimizer = build_optimizer(model, cfg.train)
     source, held = data_sources(cfg, model_cfg.vocab_size, str(run_dir) if run_dir else None)
     # Named by data.path: tokenized text is an in-memory array, which would otherwise be "token array".
@@ -113,12 +122,14 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                stash=None if pipe else gradient_stash(model, shape.zero_stage, shape.mixed_precision,
                                                       shape.accum_steps),
                host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group())),
-               held_out=held_out_reader(cfg, held, meshes.dp.get_local_rank(), shape.dims.dp))
+               held_out=held_out_reader(cfg, held, meshes.dp.get_local_rank(), shape.dims.dp),
+               context=(shape.dims.cp, meshes.world["cp"].get_local_rank()))
 
 
 def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str) -> HostReduceScatter | None:
     """meshfit's reduce-scatter for FSDP2 on gloo; in the background where the layout allows it."""
-    background = reduces_in_background(shape.zero_stage, shape.dims.dp_shard, shape.dims.dp_replicate > 1,
+    background = reduces_in_background(shape.zero_stage, shape.dims.dp_shard * shape.dims.cp,
+                                       shape.dims.dp_replicate > 1,
                                        shape.mixed_precision, pipelined, backend)
     # The pipeline schedule runs the backward itself, without begin() and finish() around it.
     assert not (background and pipelined)
@@ -183,7 +194,7 @@ def _forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> 
 
 def _kind(run: Run) -> str:
     dims = run.shape.dims
-    return data_parallel_kind(run.shape.zero_stage, dims.dp, dims.tp, run.shape.mixed_precision)
+    return data_parallel_kind(run.shape.zero_stage, dims.dp * dims.cp, dims.tp, run.shape.mixed_precision)
 
 
 def _ddp(run: Run) -> bool:
@@ -250,6 +261,7 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     runs) does with the vote before the optimizer step (guard.py).
     """
     micro = run.shape.micro_batch
+    inputs, targets = run.local_tokens(inputs, targets)
     tracking = run.meter is None or run.meter.tracking()
     try:
         # The tracker is a TorchDispatchMode, under which torch.compile cannot run: tracked steps run the
