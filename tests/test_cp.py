@@ -5,14 +5,16 @@ import functools
 import pytest
 import torch
 
-from dist_jobs import parity_config, train_job
+from dist_jobs import PARITY_BASE, parity_config, train_job
 from meshfit.config import ConfigError, load_config
 from meshfit.models.layers import AttentionCore
 from meshfit.parallel.context_parallel import _global_order, local_positions, shard_sequence
 from meshfit.testing import run_ranks
+from meshfit.train.launch import launch
 from meshfit.train.shape import resolve_run
 
-FAMILIES = {"llama": "model.preset=tiny", "gpt": "model.preset=tiny-gpt"}  # RoPE, learned positions
+# RoPE, learned positions (untied: pipeline stages hold the embedding and the head apart)
+FAMILIES = {"llama": ["model.preset=tiny"], "gpt": ["model.preset=tiny-gpt", "model.tie_embeddings=false"]}
 LAYOUTS = {  # ranks, overrides
     "cp2": (2, ["parallel.cp=2"]),
     "cp4": (4, ["parallel.cp=4"]),
@@ -24,7 +26,7 @@ LAYOUTS = {  # ranks, overrides
 
 @functools.cache
 def reference(family):
-    return run_ranks(train_job, 1, parity_config(FAMILIES[family]))[0]
+    return run_ranks(train_job, 1, parity_config(*FAMILIES[family]))[0]
 
 
 def _max_delta(a, b):
@@ -44,7 +46,7 @@ def _assert_parity(runs, family):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cp_parity(family, layout):
     ranks, overrides = LAYOUTS[layout]
-    _assert_parity(run_ranks(train_job, ranks, parity_config(FAMILIES[family], *overrides)), family)
+    _assert_parity(run_ranks(train_job, ranks, parity_config(*FAMILIES[family], *overrides)), family)
 
 
 @pytest.mark.multiproc
@@ -55,7 +57,7 @@ def test_cp_parity(family, layout):
     ["parallel.zero_stage=2", "parallel.offload=true", "parallel.activation_checkpointing=selective"],
 ], ids=["eager-op-recompute", "ddp-full-recompute", "zero2-offload-selective"])
 def test_cp_composes_with_kernels_recompute_and_data_parallel_kinds(overrides):
-    _assert_parity(run_ranks(train_job, 2, parity_config(FAMILIES["llama"], "parallel.cp=2", *overrides)), "llama")
+    _assert_parity(run_ranks(train_job, 2, parity_config(*FAMILIES["llama"], "parallel.cp=2", *overrides)), "llama")
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -103,3 +105,24 @@ def test_cp_defaults_to_sharding_over_the_context_ranks():
     shape = resolve_run(load_config(None, ["parallel.cp=2"]), 4)
     assert (shape.dims.dp_shard, shape.dims.cp, shape.zero_stage) == (2, 2, 3)
     assert resolve_run(load_config(None, ["parallel.cp=2"]), 2).zero_stage == 3  # cp ranks shard the weights
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_checkpoints_reshard_between_cp_degrees(tmp_path):
+    """cp 2 → one process → cp 4, 3 steps each, resumed from each other's checkpoints, against one process
+    for 9 steps."""
+    base = [*PARITY_BASE, "train.steps=9"]
+    reference = launch(load_config(None, base), tmp_path / "reference")
+    assert reference.ok, reference.message
+    losses, layouts = [], []
+    for i, (overrides, nproc) in enumerate([(["parallel.cp=2"], 2), ([], None), (["parallel.cp=4"], 4)]):
+        resume = ["checkpoint.resume=true"] if i else []
+        outcome = launch(load_config(None, [*base, *overrides, *resume, f"train.stop_after={3 * (i + 1)}"]),
+                         tmp_path / "run", nproc)
+        assert outcome.ok, outcome.message
+        assert outcome.result["start_step"] == 3 * i
+        losses += outcome.result["losses"]
+        layouts.append(outcome.result["layout"])
+    assert layouts == ["cp=2", "single rank", "cp=4"]
+    assert losses == pytest.approx(reference.result["losses"], abs=1e-5, rel=0)
