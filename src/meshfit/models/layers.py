@@ -26,11 +26,19 @@ from torch.utils.checkpoint import checkpoint
 
 
 @functools.lru_cache(maxsize=64)
-def _lower_right(queries: int, keys: int) -> CausalBias:
+def _bias(queries: int, keys: int) -> CausalBias:
     # The bias holds no data, only its sizes. Made outside any dispatch mode (a memory tracker, a dry run's
     # fake tensors), which would otherwise hand back a plain tensor where the subclass is being created.
     with _disable_current_modes():
         return causal_lower_right(queries, keys)
+
+
+def _lower_right(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """The causal mask whose diagonal ends at the last key. torch.compile cannot build torch's bias
+    subclass inside a graph: compiled blocks take the mask as booleans (queries × keys bytes)."""
+    if torch.compiler.is_compiling():
+        return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return _bias(queries, keys)
 
 
 class AttentionCore(nn.Module):
@@ -45,7 +53,7 @@ class AttentionCore(nn.Module):
         if self.kernel == "flash":
             # Fewer queries than keys: the mask's diagonal ends at the last key (torch's lower-right causal
             # bias, which the fused kernels run without materializing the mask).
-            mask = _lower_right(seqlen, keys) if keys != seqlen else None
+            mask = _lower_right(seqlen, keys, q.device) if keys != seqlen else None
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                   enable_gqa=k.shape[1] != q.shape[1])
         # Grouped key/value heads without repeating them: the queries of one group are stacked along the
