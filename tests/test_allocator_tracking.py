@@ -13,6 +13,7 @@ from meshfit.config import load_config
 from meshfit.memory.allocator import AllocatorTracker
 from meshfit.memory.meter import MemoryMeter
 from meshfit.memory.tracker import MemoryBudgetExceeded
+from meshfit.testing import run_ranks
 from meshfit.train.dist import RankEnv
 from meshfit.train.trainer import build_run, measured_step
 
@@ -46,12 +47,18 @@ class _Paired(AllocatorTracker):
     def reset_mod_stats(self) -> None:
         self.ops.reset_mod_stats()
 
+    def claim_gradients(self, tensors) -> None:
+        super().claim_gradients(tensors)
+        self.ops.claim_gradients(tensors)
+
 
 def _both(*overrides: str) -> list[tuple[dict, dict, dict]]:
-    """Per step: the tracker's breakdown at its peak, the attribution's, and the tracker's at the end."""
+    """Per step: the tracker's breakdown at its peak, the attribution's, and the tracker's at the end, on
+    this rank of the process group."""
     cfg = load_config(None, ["model.preset=tiny", "train.device=cpu", "train.global_batch=2", "train.seq_len=64",
                              *overrides])
-    run = build_run(cfg, RankEnv(rank=0, world_size=1, local_rank=0, device=CPU), None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = build_run(cfg, RankEnv(rank=rank, world_size=world, local_rank=rank, device=CPU), None)
     ops, live = run.tracker, LiveBytes()
     live.follow([list(run.model.parameters()), list(run.model.buffers())])
     run.tracker = _Paired(ops, run.model, run.optimizer, CPU, live)
@@ -101,6 +108,25 @@ def test_fsdp_gathered_parameters_count_as_activations(world_of_one):
     assert light["params"] == rest["params"] > 0 and ops["params"] > light["params"]
     assert light["optim"] == ops["optim"] and light["grads"] == ops["grads"]
     assert light["activations"] == ops["activations"] + ops["params"] - light["params"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_ddp_buckets_count_as_gradients():
+    """DDP on 2 ranks: its gradients are views into its communication buckets, counted once, as gradients
+    (as the tracker files them); every category and the peak agree on both ranks, but in step 2, where DDP
+    re-orders its buckets in the forward: the old ones, held from step 1 with no gradient viewing them, are
+    `other` to the attribution (allocated when the step began) and activations to the tracker."""
+    jobs = run_ranks(_both, 2, "parallel.dp_replicate=2", "train.global_batch=4", timeout_s=100)
+    for rank, steps in enumerate(jobs):
+        for step, (ops, light, rest) in enumerate(steps, 1):
+            _same_peak(ops, light)
+            moved = light["params"] if step == 2 else 0  # the old buckets: as large as the gradients
+            assert light["other"] == ops["other"] + moved and light["activations"] == ops["activations"] - moved
+            for category in ("params", "grads", "optim"):
+                assert light[category] == ops[category], (rank, step, category, ops, light)
+            assert rest["grads"] == light["params"]  # the buckets outlive the step (zeroed, not freed)
+        assert light["grads"] == light["params"]  # step 3's backward begins with the buckets allocated
 
 
 class _Counters:
