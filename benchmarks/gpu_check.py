@@ -9,8 +9,9 @@ loop on the same shapes, on a calibration of the same GPU. One printed table; no
    accumulated) under mixed precision, with the memory tracker off, so every step is a plain step: the
    measured step time is the median of steps 3 and later, the measured peak the allocator's
    (`torch.cuda.max_memory_allocated`, read every step by meshfit on CUDA);
-3. the same plain layout runs with the tracker on every step (`train.memory_tracking=full`): its step time
-   over the plain one's is what a tracked step costs;
+3. the same plain layout runs with the per-operator tracker on every step (`train.memory_tracking=full`),
+   and measured every step from the allocator's counters (`auto` on CUDA): each step time over the plain
+   one's is what that measurement costs;
 4. `step_time` and `estimate_memory` plan each layout on the calibrated device;
 5. benchmarks/hf_baseline.py trains `transformers`' LlamaForCausalLM on the same shapes (skipped when
    transformers is missing);
@@ -48,6 +49,7 @@ LAYOUTS: dict[str, tuple[Layout, dict[str, Any]]] = {
     "compiled": (Layout(micro_batch=MICRO_BATCH), {"compile": True}),
     "compiled, op recompute": (Layout(micro_batch=MICRO_BATCH, activation_checkpointing="op"), {"compile": True}),
     "plain, tracked every step": (Layout(micro_batch=MICRO_BATCH), {"memory_tracking": "full"}),
+    "plain, allocator every step": (Layout(micro_batch=MICRO_BATCH), {"memory_tracking": "auto"}),
 }
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch.distributed as dist
 
 from meshfit.memory import meter as meter_module
-from meshfit.memory.meter import MemoryMeter
+from meshfit.memory.allocator import AllocatorTracker
+from meshfit.memory.meter import MemoryMeter, rank_tracker
 from test_cli import meshfit
 
 
@@ -101,6 +102,47 @@ def test_off_never_tracks_and_reports_the_counter(world_of_one, monkeypatch):
         assert records == [{"peak": counter["value"], "measured": "counter", "rss_peak": counter["value"]}]
         assert not retracked
     assert tracker.peaks == 0
+
+
+class _StubAllocatorTracker(_StubTracker):
+    """Stands in for the allocator attribution: a breakdown per step, and the step's peak so far."""
+
+    def step_peak(self):
+        return 100 * (self.peaks + 1)
+
+
+def test_auto_on_cuda_attributes_every_step_from_the_allocator(world_of_one, monkeypatch):
+    def no_counter(device):
+        raise AssertionError("the attribution owns the allocator's peak counter; nothing else resets it")
+
+    monkeypatch.setattr(meter_module, "_counter", no_counter)
+    tracker = _StubAllocatorTracker()
+    meter = MemoryMeter(tracker, meter_module.torch.device("cuda", 0), "auto", tracked_steps=2, budget=None)
+    for step in range(1, 5):
+        assert meter.tracking()
+        records, retracked = meter.records(1, {}, _vote(meter))
+        assert records[0]["measured"] == "allocator" and not retracked
+        assert records[0]["peak"] == records[0]["device_peak"] == 100 * step
+    assert tracker.peaks == 4
+
+
+def test_auto_on_cpu_and_ops_track_per_operator_first_steps(world_of_one, monkeypatch):
+    monkeypatch.setattr(meter_module, "_counter", lambda device: 2**20)
+    for device, mode in (("cpu", "auto"), ("cpu", "ops"), ("cuda", "ops")):
+        meter = MemoryMeter(_StubTracker(), meter_module.torch.device(device), mode, tracked_steps=1, budget=None)
+        kinds = [meter.records(1, {}, _vote(meter))[0][0]["measured"] for _ in range(3)]
+        assert kinds == ["tracker", "carried", "carried"], (device, mode)
+    budgeted = MemoryMeter(_StubTracker(), meter_module.torch.device("cpu"), "ops", tracked_steps=1, budget=10**9)
+    assert [budgeted.records(1, {}, _vote(budgeted))[0][0]["measured"] for _ in range(3)] == ["tracker"] * 3
+
+
+def test_which_measurement_each_mode_uses():
+    model = meter_module.nn.Linear(2, 2)
+    optimizer = meter_module.torch.optim.SGD(model.parameters(), lr=0.1)
+    cuda, cpu = meter_module.torch.device("cuda", 0), meter_module.torch.device("cpu")
+    assert isinstance(rank_tracker(model, optimizer, cuda, 0, "auto", None), AllocatorTracker)
+    for device, mode in ((cuda, "ops"), (cuda, "full"), (cpu, "auto"), (cpu, "full")):
+        assert rank_tracker(model, optimizer, device, 0, mode, None).per_operator, (device, mode)
 
 
 @pytest.mark.multiproc

@@ -169,9 +169,10 @@ class TrainSection(_Section):
     grad_clip: float = Field(1.0, ge=0)  # 0 = no clipping
     precision: Literal["fp32", "bf16"] = "fp32"
     memory_budget: int | None = None  # bytes of tracked tensor memory per rank
-    # When the per-operator memory tracker runs (memory/meter.py): auto = the first memory_tracked_steps
-    # steps of a launch, and every step when a CPU budget is enforced; full = every step; off = never.
-    memory_tracking: Literal["auto", "full", "off"] = "auto"
+    # How step memory is measured (memory/meter.py): auto = from the allocator's counters on every step on
+    # CUDA, else as ops; ops = the per-operator tracker on the first memory_tracked_steps steps of a launch,
+    # and every step when a CPU budget is enforced; full = the per-operator tracker every step; off = never.
+    memory_tracking: Literal["auto", "ops", "full", "off"] = "auto"
     memory_tracked_steps: int = 3
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_flops: float | None = Field(None, gt=0)  # per device, for MFU; None = measured (CPU) or catalog (GPU)

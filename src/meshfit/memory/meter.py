@@ -1,17 +1,20 @@
 """When a step's memory is measured, and what a step's record says about it.
 
 The per-operator trackers (memory/tracker.py) see every tensor by category, at the price of a Python call on
-every operator. ``train.memory_tracking`` chooses when they run:
+every operator; the allocator attribution (memory/allocator.py) reads the CUDA allocator's counters at phase
+boundaries instead, at no per-operator cost. ``train.memory_tracking`` chooses:
 
-* ``auto`` (default): the first ``train.memory_tracked_steps`` steps of each launch (optimizer states appear
-  in step 1, DDP re-orders its buckets in step 2, step 3 is steady), and every step when a CPU budget must be
-  enforced (on CPU the tracker is the budget). Later steps carry the last measured breakdown over, marked
-  ``"measured": "carried"``, and cost nothing per operator.
-* ``full``: every step. ``off``: no step (refused with a CPU budget); each record's peak is then the rank's
-  counter below (``"measured": "counter"``), with no breakdown.
+* ``auto`` (default): on CUDA ranks, the allocator attribution on every step (``"measured": "allocator"``).
+  On CPU ranks as ``ops``.
+* ``ops``: the per-operator tracker on the first ``train.memory_tracked_steps`` steps of each launch
+  (optimizer states appear in step 1, DDP re-orders its buckets in step 2, step 3 is steady), and every
+  step when a CPU budget must be enforced (on CPU the tracker is the budget). Later steps carry the last
+  measured breakdown over, marked ``"measured": "carried"``, and cost nothing per operator.
+* ``full``: the per-operator tracker on every step. ``off``: no step (refused with a CPU budget); each
+  record's peak is then the rank's counter below (``"measured": "counter"``), with no breakdown.
 
-After each step ``auto`` tracks (not in ``full`` mode, a CPU budget's included), the C heap's free pages go
-back to the OS (``host_heap.return_free_heap``).
+After each step the per-operator tracker runs in ``auto``/``ops`` (not when it runs every step, under a CPU
+budget or ``full``), the C heap's free pages go back to the OS (``host_heap.return_free_heap``).
 
 Growth after tracking stops is still caught: every carried step reads each rank's own counter — the CUDA
 allocator's peak since the last reading, or on CPU the process's peak resident memory — and when any rank's
@@ -30,8 +33,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from meshfit.memory.allocator import AllocatorTracker, CudaAllocator
 from meshfit.memory.host_heap import return_free_heap
+from meshfit.memory.tracker import make_tracker
 
 GROWTH = 0.05
 GROWTH_MIN_BYTES = 32 * 2**20
@@ -50,6 +56,19 @@ def _counter_key(device: torch.device) -> str:
     return "device_peak" if device.type == "cuda" else "rss_peak"
 
 
+def uses_allocator(mode: str, device: torch.device) -> bool:
+    """Whether a rank measures every step from the allocator's counters instead of per operator."""
+    return mode == "auto" and device.type == "cuda"
+
+
+def rank_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int, mode: str,
+                 budget: int | None, offload: bool = False, pipeline: bool = False) -> Any:
+    """The measurement `train.memory_tracking` (`mode`) asks for on this rank."""
+    if uses_allocator(mode, device):
+        return AllocatorTracker(model, optimizer, device, CudaAllocator(device), rank, budget)
+    return make_tracker(model, optimizer, device, rank, budget, offload, pipeline=pipeline)
+
+
 class MemoryMeter:
     """Decides per step whether the tracker runs, and builds every rank's memory record."""
 
@@ -57,7 +76,11 @@ class MemoryMeter:
                  budget: int | None) -> None:
         self.tracker = tracker
         self.device = device
-        self.mode = "full" if (budget is not None and device.type == "cpu" and mode == "auto") else mode
+        if uses_allocator(mode, device):
+            mode = "allocator"
+        elif mode == "auto":
+            mode = "ops"
+        self.mode = "full" if (budget is not None and device.type == "cpu" and mode == "ops") else mode
         self.tracked_steps = tracked_steps
         self.steps = 0  # steps measured by this process
         self._retrack = False
@@ -67,7 +90,7 @@ class MemoryMeter:
 
     def tracking(self) -> bool:
         """Whether the coming step runs under the tracker."""
-        if self.mode == "full":
+        if self.mode in ("full", "allocator"):
             return True
         if self.mode == "off":
             return False
@@ -75,7 +98,11 @@ class MemoryMeter:
 
     def reading(self) -> tuple[int, bool]:
         """This rank's counter, read as the step's vote is cast, and whether it grew past what the tracked
-        steps reached (which only a carried step acts on)."""
+        steps reached (which only a carried step acts on). The allocator attribution owns the device's
+        peak counter (it resets it at each phase): its reading is the step's peak so far."""
+        if self.mode == "allocator":
+            self._reading = self.tracker.step_peak()
+            return self._reading, False
         counter = self._reading = _counter(self.device)
         grew = (self._carried is not None and counter > self._baseline * (1 + GROWTH)
                 and counter - self._baseline > GROWTH_MIN_BYTES)
@@ -93,12 +120,14 @@ class MemoryMeter:
             return self._carry(counters), False
         counter = self._reading
         assert counter is not None, "reading() comes first, as the step's vote is cast"
-        if self.mode == "auto":
+        if self.mode == "ops":
             return_free_heap()
         mem = self.tracker.peak()
         mem["rest"] = self.tracker.current()  # what stays resident between steps
-        mem.update(extra, measured="tracker")
-        mem[_counter_key(self.device)] = counter
+        allocator = self.mode == "allocator"
+        mem.update(extra, measured="allocator" if allocator else "tracker")
+        # The allocator's peak over the whole step (the reading came before its optimizer step).
+        mem[_counter_key(self.device)] = mem["peak"] if allocator else counter
         per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
         dist.all_gather_object(per_rank, mem)
         self._carried = per_rank

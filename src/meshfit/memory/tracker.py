@@ -94,6 +94,8 @@ class _RankTracking:
     happened. Enter the tracker once per optimizer step: entering starts a new peak window.
     """
 
+    per_operator = True  # a TorchDispatchMode: torch.compile does not run under it
+
     def _setup(self, device: torch.device, rank: int, budget: int | None, offload: bool) -> None:
         self.device = torch.device(device)
         self.rank = rank

@@ -26,8 +26,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshfit.config import Config
 from meshfit.data import TokenBatches
 from meshfit.data.heldout import HeldOut
-from meshfit.memory.meter import MemoryMeter
-from meshfit.memory.tracker import limit_cuda_memory, make_tracker
+from meshfit.memory.meter import MemoryMeter, rank_tracker
+from meshfit.memory.tracker import limit_cuda_memory
 from meshfit.models import build_model, flops_per_token
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.data_parallel import GradientStash, gradient_stash, set_micro_batch
@@ -64,7 +64,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     batches: TokenBatches
-    tracker: Any  # meshfit.memory.tracker.make_tracker
+    tracker: Any  # meshfit.memory.meter.rank_tracker
     flops_per_token: float
     peak_flops: float | None
     pipe: Pipe | None = None  # pipeline parallelism: this rank's stages and schedule
@@ -111,8 +111,8 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
     batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                            dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp,
                            name=cfg.data.path if cfg.data.source != "synthetic" else None)
-    tracker = make_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_budget, cfg.parallel.offload,
-                           pipeline=pipe is not None)
+    tracker = rank_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_tracking, cfg.train.memory_budget,
+                           cfg.parallel.offload, pipeline=pipe is not None)
     meter = _meter(cfg, env, tracker)
     limit_cuda_memory(env.device, cfg.train.memory_budget)
     return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
@@ -264,9 +264,9 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     inputs, targets = run.local_tokens(inputs, targets)
     tracking = run.meter is None or run.meter.tracking()
     try:
-        # The tracker is a TorchDispatchMode, under which torch.compile cannot run: tracked steps run the
-        # blocks eagerly, and their breakdown is an eager step's (the record says so).
-        eager = tracking and run.cfg.train.compile
+        # The per-operator tracker is a TorchDispatchMode, under which torch.compile cannot run: its steps
+        # run the blocks eagerly, and their breakdown is an eager step's (the record says so).
+        eager = tracking and run.tracker.per_operator and run.cfg.train.compile
         with run.tracker if tracking else contextlib.nullcontext(), eager_blocks(eager):
             if run.pipe is not None:
                 run.tracker.reset_mod_stats()
