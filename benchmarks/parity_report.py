@@ -63,6 +63,18 @@ LAYOUTS = {
     "gpt eager tp2+sp": (2, ["model.preset=tiny-gpt", "model.attention=eager", "parallel.tp=2", "parallel.sp=true"]),
     "gpt eager tp2+sp+ac attn": (2, ["model.preset=tiny-gpt", "model.attention=eager", "parallel.tp=2",
                                      "parallel.sp=true", "parallel.activation_checkpointing=attention"]),
+    # Context parallelism, Llama (RoPE) and GPT (learned positions; untied, as pipelines need).
+    **{f"{family} {name}": (n, [*model, *over]) for family, model in (
+        ("llama", []), ("gpt", ["model.preset=tiny-gpt", "model.tie_embeddings=false"]))
+       for name, (n, over) in {
+           "cp2": (2, ["parallel.cp=2"]), "cp4": (4, ["parallel.cp=4"]),
+           "cp2 x zero3 dp2": (4, ["parallel.cp=2", "parallel.dp_shard=2"]),
+           "cp2 x tp2+sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+           "cp2 x pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
+           "cp2 x tp2 x pp2": (8, ["model.n_layers=4", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
+                                   "parallel.pp=2"]),
+       }.items()},
+    "cp2 bf16": (2, ["parallel.cp=2", "parallel.mixed_precision=true"]),
 }
 
 
