@@ -124,7 +124,7 @@ def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: 
     from meshfit.units import fmt_count
 
     model = shape.model
-    stage = f", zero_stage={shape.zero_stage}" if shape.dims.dp > 1 else ""
+    stage = f", zero_stage={shape.zero_stage}" if shape.dims.dp * shape.dims.cp > 1 else ""
     steps = cfg.train.steps if cfg.train.stop_after is None else min(cfg.train.steps, cfg.train.stop_after)
     first = "" if start_step is None else f" from step {start_step + 1}"
     precision = "bf16 mixed" if shape.mixed_precision else "fp32"
