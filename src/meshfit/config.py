@@ -18,6 +18,7 @@ from meshfit.config_file import ConfigError, read_config_file
 from meshfit.names import did_you_mean
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.schedules import SCHEDULES
+from meshfit.parallel.units import DEFAULT_MAX_UNIT_PARAMS
 from meshfit.units import parse_bytes
 
 
@@ -101,6 +102,11 @@ class ParallelSection(_Section):
     activation_checkpointing: str = "none"  # one of parallel/recompute.py's AC_MODES
     ac_every: int = 2  # selective: checkpoint every ac_every-th transformer block
     sp: bool = False  # sequence parallelism for norms, dropout and the residual stream (needs tp > 1)
+    # Mixed precision, ZeRO-2/3: gradients reduce-scattered in fp32, or in the compute dtype (bf16) as
+    # DeepSpeed does. Stage 1 always reduces in bf16.
+    reduce_dtype: Literal["fp32", "compute"] = "fp32"
+    # A block with more parameters is sharded as smaller FSDP units (parallel/units.py); null: one per block.
+    max_unit_params: int | None = Field(DEFAULT_MAX_UNIT_PARAMS, ge=1)
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (needs tp > 1)
 
     _check = field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp")(_degree)

@@ -18,17 +18,27 @@ import contextlib
 import torch
 from torch import nn
 
+from meshfit.parallel.units import sub_units
 
-def apply_compile(model: nn.Module) -> int:
-    """Compile every block of ``model.layers`` in place; returns how many were compiled."""
-    blocks = list(model.layers.values())
-    for block in blocks:
-        # fullgraph: a graph break inside a block would split it silently into eager pieces; fail instead.
-        block.compile(fullgraph=True)
+
+def apply_compile(model: nn.Module, max_unit_params: int | None = None) -> int:
+    """Compile every block of ``model.layers`` in place; returns how many modules were compiled.
+
+    A block that FSDP shards as smaller units (parallel/units.py) is compiled unit by unit instead: dynamo
+    cannot trace into an FSDP unit nested inside a compiled module. Units that are one of torch's own
+    modules (a lone projection: one matmul, nothing to fuse) and the code between the units (norms,
+    residual adds) stay eager."""
+    compiled = 0
+    for block in model.layers.values():
+        units = sub_units(block, max_unit_params)
+        for module in [u for u in units if not type(u).__module__.startswith("torch.")] if units else [block]:
+            # fullgraph: a graph break inside would split it silently into eager pieces; fail instead.
+            module.compile(fullgraph=True)
+            compiled += 1
     if getattr(model, "tok_embeddings", None) is not None:
         # Registered after tensor parallelism's own output hook, so it sees what the first block gets.
         model.tok_embeddings.register_forward_hook(_own_storage)
-    return len(blocks)
+    return compiled
 
 
 def _own_storage(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.kinds import stashes_gradients
+from meshfit.parallel.units import sub_units
 
 
 # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers (which still syncs buffers once, at
@@ -68,31 +69,36 @@ def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
     return meshes.shard
 
 
-def precision_policy(stage: int, mixed_precision: bool) -> MixedPrecisionPolicy:
+def precision_policy(stage: int, mixed_precision: bool, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
     """bf16 compute copies of the weights; gradients reduced into fp32 shards, except at stage 1.
 
     Stage 1 accumulates full gradients across micro-batches before any reduction: they stay 16-bit (the
     ZeRO paper's 2 bytes per parameter) and are reduced in bf16; stages 2 and 3 reduce every micro-batch
-    in fp32.
+    in fp32, or with ``reduce_dtype="compute"`` in bf16 as DeepSpeed does by default (no fp32 copy of a
+    unit's gradients before its reduce-scatter, half the bytes on the wire; the sum is rounded to bf16).
     """
     if not mixed_precision:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                reduce_dtype=torch.bfloat16 if stage == 1 else torch.float32)
+    low = stage == 1 or reduce_dtype == "compute"
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16 if low else torch.float32)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precision: bool, offload: bool) -> None:
-    """fully_shard each transformer block, then the root (embeddings, final norm, head), on meta."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precision: bool, offload: bool,
+               reduce_dtype: str = "fp32", max_unit_params: int | None = None) -> None:
+    """fully_shard each transformer block (as smaller units when it holds more than `max_unit_params`
+    parameters: parallel/units.py), then the root (embeddings, final norm, head), on meta."""
     # Pinned host memory needs an accelerator; on a CPU-only build plain memory is the host memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     # Stage 0 (replicas of tensor-parallel weights): the gathered compute copies are freed after each
     # block, as at stage 3; the "shards" are whole.
-    mp_policy = precision_policy(stage, mixed_precision)
+    mp_policy = precision_policy(stage, mixed_precision, reduce_dtype)
     kwargs = dict(mesh=mesh, reshard_after_forward=stage in (0, 3), offload_policy=policy)
     # Blocks take 16-bit hidden states from the embedding or the block before; casting their other inputs
     # would make a 16-bit copy of Llama's fp32 RoPE tables in every block (and rotate in 16 bits).
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for block in model.layers.values():
+        for unit in sub_units(block, max_unit_params):
+            fully_shard(unit, mp_policy=block_policy, **kwargs)
         fully_shard(block, mp_policy=block_policy, **kwargs)
     fully_shard(model, mp_policy=mp_policy, **kwargs)
     if mesh.device_type == "cpu":

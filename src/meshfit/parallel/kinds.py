@@ -28,11 +28,12 @@ def stashes_gradients(zero_stage: int, mixed_precision: bool, micro_batches: int
 
 
 def reduces_in_background(zero_stage: int, dp_shard: int, replicated: bool, mixed_precision: bool,
-                          pipelined: bool, backend: str) -> bool:
+                          pipelined: bool, backend: str, reduce_dtype: str = "fp32") -> bool:
     """Whether FSDP2's gradient reduce-scatters run in the background (parallel/host_reduce.py): on gloo
     (CPU ranks; an accelerator overlaps them on its own stream), for sharded layouts whose reduced shard
     FSDP2 reads no further before it becomes the gradient: no replicate all-reduce after it (HSDP), no cast
-    (stage 1 under mixed precision reduces in bf16), and no pipeline schedule (it scales the gradients
-    right after the last backward)."""
-    return (backend == "gloo" and zero_stage >= 1 and dp_shard > 1 and not replicated
-            and not (mixed_precision and zero_stage == 1) and not pipelined)
+    (under mixed precision stage 1, and `reduce_dtype="compute"`, reduce in bf16 into fp32 shards), and no
+    pipeline schedule (it scales the gradients right after the last backward)."""
+    casts = mixed_precision and (zero_stage == 1 or reduce_dtype == "compute")
+    return (backend == "gloo" and zero_stage >= 1 and dp_shard > 1 and not replicated and not casts
+            and not pipelined)

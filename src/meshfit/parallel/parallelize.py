@@ -51,7 +51,7 @@ def apply_model_parallel(model: nn.Module, model_cfg: ModelConfig, tp_mesh: Devi
         if model.output is not None:  # the head (never compiled) gathers the final norm's output itself
             regather_in_backward(model.output, [model.output])
     if compile_blocks:  # after the recompute wrappers, so recompute is traced into each block's graph
-        apply_compile(model)
+        apply_compile(model, parallel.max_unit_params)
 
 
 def _buffers_on(model: nn.Module, device: torch.device) -> None:
@@ -83,7 +83,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
     # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
     if kind in ("fsdp", "replicas"):
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,
-                   offload=parallel.offload)
+                   offload=parallel.offload, reduce_dtype=parallel.reduce_dtype,
+                   max_unit_params=parallel.max_unit_params)
     with materialize():
         model.to_empty(device="cpu" if parallel.offload else device)
         if parallel.offload:

@@ -121,16 +121,18 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter,
                stash=None if pipe else gradient_stash(model, shape.zero_stage, shape.mixed_precision,
                                                       shape.accum_steps),
-               host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group())),
+               host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group()),
+                                        cfg.parallel.reduce_dtype),
                held_out=held_out_reader(cfg, held, meshes.dp.get_local_rank(), shape.dims.dp),
                context=(shape.dims.cp, meshes.world["cp"].get_local_rank()))
 
 
-def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str) -> HostReduceScatter | None:
+def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str,
+                 reduce_dtype: str) -> HostReduceScatter | None:
     """meshfit's reduce-scatter for FSDP2 on gloo; in the background where the layout allows it."""
     background = reduces_in_background(shape.zero_stage, shape.dims.dp_shard * shape.dims.cp,
                                        shape.dims.dp_replicate > 1,
-                                       shape.mixed_precision, pipelined, backend)
+                                       shape.mixed_precision, pipelined, backend, reduce_dtype)
     # The pipeline schedule runs the backward itself, without begin() and finish() around it.
     assert not (background and pipelined)
     return host_reduce_scatter(model, backend, background)

@@ -1,0 +1,62 @@
+"""FSDP units bounded by parallel.max_unit_params, and parallel.reduce_dtype."""
+
+import pytest
+import torch
+
+from dist_jobs import parity_config, train_job
+from meshfit.config import load_config
+from meshfit.models import build_model
+from meshfit.parallel.data_parallel import precision_policy
+from meshfit.parallel.units import sub_units, unit_sizes
+from meshfit.testing import run_ranks
+
+
+def _block(preset: str):
+    cfg = load_config(None, [f"model.preset={preset}", "model.n_layers=1"]).model.resolve()
+    return build_model(cfg, "meta").layers["0"]
+
+
+def test_a_block_within_the_limit_is_one_unit():
+    block = _block("llama3-70b")  # 856M parameters per block
+    assert sub_units(block, 10**9) == [] and unit_sizes(block, 10**9) == [sum(p.numel() for p in block.parameters())]
+
+
+def test_a_wide_block_splits_into_attention_and_projections_never_below_one_projection():
+    block = _block("gpt3-175b")  # hidden 12,288: 1.8B parameters per block
+    assert [type(u).__name__ for u in sub_units(block, 10**9)] == ["Attention", "Linear", "Linear"]
+    sizes = unit_sizes(block, 10**9)
+    assert max(sizes) <= 10**9 and sum(sizes) == sum(p.numel() for p in block.parameters())
+    # A limit below one projection leaves the projection whole: it is the smallest unit.
+    assert max(unit_sizes(block, 10**6)) == 12288 * 4 * 12288 + 4 * 12288
+
+
+def test_reduce_dtype_compute_reduces_in_bf16_at_stages_2_and_3():
+    assert precision_policy(3, True).reduce_dtype == torch.float32
+    assert precision_policy(3, True, "compute").reduce_dtype == torch.bfloat16
+    assert precision_policy(2, True, "compute").reduce_dtype == torch.bfloat16
+    assert precision_policy(1, True).reduce_dtype == torch.bfloat16  # stage 1 always (16-bit accumulation)
+
+
+def _delta(a, b):
+    return max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_units_smaller_than_a_block_train_as_one_process():
+    ref = run_ranks(train_job, 1, parity_config())[0]
+    # 20,000: tiny's attention (16K) is one unit, its MLP (24.6K) splits into its three projections.
+    runs = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.max_unit_params=20000",
+                                                 "parallel.activation_checkpointing=full"))
+    assert _delta(runs[0], ref) <= 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_reducing_in_bf16_trains_within_bf16_rounding_of_fp32():
+    # The reduced bf16 shard is cast into the fp32 gradient after the reduce-scatter: the background
+    # reduce on CPU ranks must wait for it (before, step 1 read an unfinished shard and stopped on NaN).
+    ref = run_ranks(train_job, 1, parity_config())[0]
+    runs = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.mixed_precision=true",
+                                                 "parallel.reduce_dtype=compute"))
+    assert _delta(runs[0], ref) <= 2e-3
