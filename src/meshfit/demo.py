@@ -6,7 +6,8 @@ is stopped by the budget at the operator that would not have fit; it is then run
 without the budget, so the table shows how much it really needs. Results go to DIR/summary.json and a
 chart of the per-rank breakdown to DIR/memory.png. Each layout runs in DIR/<layout> (DIR/<layout>-unbounded
 for the run without the budget); a rerun into the same DIR with --overwrite replaces those folders. DIR
-is never a training run's folder, and the demo runs on 2 or 4 ranks (check_demo_args).
+is never a training run's folder, and the demo runs on 2 or 4 ranks (check_demo_args). A second scene
+(demo_long.py) runs the same model on long sequences, where activations rather than weights exceed a rank.
 
 The console output fits 100 columns. Python warnings of the demo's own process (torch's among them) go to
 DIR/warnings.log; the ranks keep theirs in their run folders (DIR/<layout>/warnings.log), and the
@@ -68,11 +69,13 @@ class Trial:
     layout: Layout  # the same object `meshfit plan` produces and `meshfit train --plan` runs
     why: str  # what the layout keeps per rank, for the table
     global_batch: int = DEMO_GLOBAL_BATCH
+    seq_len: int = DEMO_SEQ_LEN
 
     @property
     def sections(self) -> dict[str, dict[str, Any]]:
         sections = self.layout.config_sections(self.global_batch)
-        sections["train"]["global_batch"] = self.global_batch
+        sections["train"].update(global_batch=self.global_batch, seq_len=self.seq_len)
+        sections["model"] = {"max_seq_len": max(self.seq_len, demo_config().model.resolve().max_seq_len)}
         return sections
 
     @property
@@ -110,8 +113,8 @@ def demo_config(*overrides: str, sections: dict[str, dict[str, Any]] | None = No
 
 def predict(trial: Trial) -> MemoryEstimate:
     """The planner's per-rank peak for a demo layout: CPU ranks (gloo), fp32, as `meshfit plan --gpu cpu`."""
-    model = demo_config().model.resolve()
-    workload = Workload(seq_len=DEMO_SEQ_LEN, global_batch=trial.global_batch, precision="fp32")
+    model = demo_config(sections=trial.sections).model.resolve()
+    workload = Workload(seq_len=trial.seq_len, global_batch=trial.global_batch, precision="fp32")
     return estimate_memory(model, trial.layout, workload, backend="gloo")
 
 
@@ -322,8 +325,11 @@ def check_demo_args(run_dir: Path, nproc: int, overwrite: bool) -> None:
         raise ConfigError(f"--run-dir {run_dir} holds a training run ({'; '.join(training)}), not a demo's "
                           "output: choose another --run-dir for the demo (--overwrite replaces only an earlier "
                           "demo's output)")
-    earlier = [p.name for p in (run_dir / "summary.json", *(run_dir / t.name for t in demo_trials(nproc)))
-               if p.exists()]
+    from meshfit.demo_long import long_trials
+
+    trials = [*demo_trials(nproc), *long_trials(nproc)]
+    earlier = [p.name for p in (run_dir / "summary.json", run_dir / "long_sequences.json",
+                                *(run_dir / t.name for t in trials)) if p.exists()]
     if earlier and not overwrite:
         raise ConfigError(f"--run-dir {run_dir} holds an earlier demo's output ({', '.join(earlier)}): replace it "
                           "with --overwrite, or choose another --run-dir")
@@ -377,10 +383,13 @@ def _run(run_dir: Path, nproc: int, budget: str, console: Console) -> int:
             console.print(text)
     (run_dir / "summary.json").write_text(json.dumps([e.to_json() for e in entries], indent=2))
     memory_chart([e.to_json() for e in entries], limit, run_dir / "memory.png")
+    from meshfit.demo_long import run_long_scene  # the second scene builds on this module's pieces
+
+    run_long_scene(run_dir, nproc, console)
     logs = warning_logs(run_dir)
     if logs:
         where = ", ".join(str(p.relative_to(run_dir)) for p, _ in logs)
         console.print(f"Warnings kept off the console: {sum(n for _, n in logs)} lines in {run_dir}: {where}")
-    console.print(f"Done in {time.monotonic() - start:.0f} s. summary: {run_dir / 'summary.json'}; chart: "
-                  f"{run_dir / 'memory.png'}")
+    console.print(f"Done in {time.monotonic() - start:.0f} s. summaries: {run_dir / 'summary.json'}, "
+                  f"{run_dir / 'long_sequences.json'}; charts: {run_dir / 'memory.png'}, {run_dir / 'long_memory.png'}")
     return 0
