@@ -40,7 +40,8 @@ def fake_world(world: int, rank: int) -> Iterator[Any]:
     excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with _isolated_sharding_propagation(), _ddp_without_start_up_checks():
+        with (_isolated_sharding_propagation(), _ddp_without_start_up_checks(),
+              _lower_right_attention_as_on_a_gpu()):
             yield FakeTensorMode(allow_non_fake_inputs=True)
     finally:
         dist.destroy_process_group()
@@ -126,6 +127,32 @@ def _ddp_without_start_up_checks() -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(ddp_module, name, value)
+
+
+@contextlib.contextmanager
+def _lower_right_attention_as_on_a_gpu() -> Iterator[None]:
+    """Context parallelism's query chunks attend to a prefix of the gathered keys under torch's lower-right
+    causal bias (models/layers.py). A GPU runs it in a fused kernel without a mask (flash attention's
+    causal mode ends the diagonal at the last key; it keeps its output and a log-sum-exp), while torch's
+    CPU path materializes the mask as an additive queries × keys tensor that the CPU kernel keeps for
+    backward. The dry run counts what a GPU rank holds (as it does for offload), so here it runs the fused
+    kernel's op, whose meta function sizes the output and log-sum-exp on the fake CPU tensors."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    original = CausalBias.__dict__["_dispatch"]
+
+    def dispatch(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float = 0.0,
+                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        if attn_mask.variant != CausalVariant.LOWER_RIGHT or attn_mask.seq_len_q == attn_mask.seq_len_kv:
+            return original.__func__(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal=True,
+                                                                  scale=scale)[0]
+
+    CausalBias._dispatch = staticmethod(dispatch)
+    try:
+        yield
+    finally:
+        CausalBias._dispatch = original
 
 
 class _RealIntegerOps(TorchDispatchMode):
