@@ -166,7 +166,7 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
     d = fmt_duration
     lines.append(f"  step {d(t.total_s)} = compute {d(t.compute_s)} (element-wise {d(t.elementwise_s)}, recompute "
                  f"{d(t.recompute_s)}) + TP "
-                 f"{d(t.tp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble {d(t.bubble_s)} + "
+                 f"{d(t.tp_comm_s)} + CP {d(t.cp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble {d(t.bubble_s)} + "
                  f"offload {d(t.offload_s)} + optimizer {d(t.optimizer_s)}; {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {t.mfu:.0%}")
     lines.append(_compile_line(plan, best))
