@@ -197,7 +197,8 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
     d = fmt_duration
     lines.append(f"  step {d(t.total_s)} = compute {d(t.compute_s)} (element-wise {d(t.elementwise_s)}, recompute "
                  f"{d(t.recompute_s)}) + TP "
-                 f"{d(t.tp_comm_s)} + CP {d(t.cp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble {d(t.bubble_s)} + "
+                 f"{d(t.tp_comm_s)} + CP {d(t.cp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble "
+                 f"{d(t.bubble_s)} + "
                  f"offload {d(t.offload_s)} + optimizer {d(t.optimizer_s)}; {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {t.mfu:.0%}")
     lines.append(_compile_line(plan, best))
@@ -206,7 +207,8 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
         ("without pipeline parallelism", _best(plan, lambda lay: lay.pp == 1)),
         ("without tensor parallelism", _best(plan, lambda lay: lay.tp == 1)),
         ("without context parallelism", _best(plan, lambda lay: lay.cp == 1)),
-        ("pure data parallelism (ZeRO/FSDP only)", _best(plan, lambda lay: lay.tp == 1 and lay.pp == 1 and lay.cp == 1)),
+        ("pure data parallelism (ZeRO/FSDP only)",
+         _best(plan, lambda lay: lay.tp == 1 and lay.pp == 1 and lay.cp == 1)),
     ]
     lines.append("Alternatives:")
     for label, cand in alternatives:

@@ -47,8 +47,8 @@ class Candidate:
                 "peak_phase": self.memory.phase,
                 "step_time_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
                 "time": {k: getattr(self.time, k) for k in ("compute_s", "recompute_s", "elementwise_s", "tp_comm_s",
-                                                            "cp_comm_s", "dp_comm_s", "pp_comm_s", "bubble_s", "offload_s",
-                                                            "optimizer_s")},
+                                                            "cp_comm_s", "dp_comm_s", "pp_comm_s", "bubble_s",
+                                                            "offload_s", "optimizer_s")},
                 "why": self.why}
 
 

@@ -37,15 +37,7 @@ from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
-from meshfit.planner.comm_time import (  # noqa: F401 (ring_terms, DDP_BUCKET_BYTES: imported from here)
-    DDP_BUCKET_BYTES,
-    cp_comm,
-    dp_comm,
-    link,
-    ring_terms,
-    tp_comm,
-)
-from meshfit.planner.comm_time import exposed as _exposed
+from meshfit.planner.comm_time import cp_comm, dp_comm, exposed, link, tp_comm
 from meshfit.planner.activations import gathered_kv_bytes
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_BYTES
@@ -209,7 +201,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     ``efficiency``: achievable fraction of the peak FLOP/s (default EFFICIENCY; 1 with a calibrated device,
     whose rates are measured). ``dp_overlap``: fraction of the compute that hides data-parallel
     communication and offload copies (0 exposes all of it; default DP_OVERLAP). A calibrated device's
-    measured overlap is instead the share of the communication hidden (see `_exposed`).
+    measured overlap is instead the share of the communication hidden (see `comm_time.exposed`).
     The layout and workload are assumed to pass their own ``check()``; raises ValueError when the layout's
     world size differs from the cluster's, when the batch does not split into the layout's micro-batches,
     or when the pipeline has more stages than the model has layers.
@@ -311,7 +303,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     if layout.offload:
         # FSDP copies the shard to the device in its kept dtype and casts there.
         copies = (gathers + reductions) * owned * sbytes / PCIE_BYTES_PER_S
-        offload_s = _exposed(copies, compute_s, dp_overlap, of_comm) + step_bytes / HOST_MEM_BYTES_PER_S
+        offload_s = exposed(copies, compute_s, dp_overlap, of_comm) + step_bytes / HOST_MEM_BYTES_PER_S
         optimizer_s = 0.0
     else:
         bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
