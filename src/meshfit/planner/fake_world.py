@@ -132,8 +132,9 @@ def _ddp_without_start_up_checks() -> Iterator[None]:
 @contextlib.contextmanager
 def _lower_right_attention_as_on_a_gpu() -> Iterator[None]:
     """Context parallelism's query chunks attend to a prefix of the gathered keys under torch's lower-right
-    causal bias (models/layers.py). A GPU runs it in a fused kernel without a mask (flash attention's
-    causal mode ends the diagonal at the last key; it keeps its output and a log-sum-exp), while torch's
+    causal bias (models/layers.py). A GPU runs it in 16 bits in a fused kernel without a mask (flash
+    attention's causal mode ends the diagonal at the last key; it keeps its output and a log-sum-exp; the
+    dry run assumes the same in fp32, where torch picks another kernel), while torch's
     CPU path materializes the mask as an additive queries × keys tensor that the CPU kernel keeps for
     backward. The dry run counts what a GPU rank holds (as it does for offload), so here it runs the fused
     kernel's op, whose meta function sizes the output and log-sum-exp on the fake CPU tensors."""
