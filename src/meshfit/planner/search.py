@@ -90,7 +90,7 @@ def _divisors(n: int) -> list[int]:
 def _cp_degrees(workload: Workload, ranks: int, tp: int) -> list[int]:
     """Context-parallel degrees among ``ranks`` (the ranks tensor parallelism leaves): each must cut the
     sequence into 2·cp equal chunks, leave sequence parallelism a whole split, and keep at least
-    MIN_CP_TOKENS tokens per rank (shorter parts make the per-block gather cost more than it saves)."""
+    MIN_CP_TOKENS tokens per rank."""
     seq = workload.seq_len
     return [c for c in _divisors(ranks) if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CP_TOKENS
                                                        and (seq // c) % tp == 0)]
@@ -192,11 +192,10 @@ def why_not(memory: MemoryEstimate, usable: float) -> str:
 
 def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cluster) -> Candidate:
     """Memory, time and fit of one layout; raises ValueError when it cannot run on this cluster."""
+    from meshfit.parallel.context_parallel import cp_degree_error
     from meshfit.parallel.tensor_parallel import tp_degree_error
 
     layout.check()
-    from meshfit.parallel.context_parallel import cp_degree_error
-
     error = cp_degree_error(layout.cp, workload.seq_len) if layout.cp > 1 else None
     error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp)
                       if layout.tp > 1 else None)

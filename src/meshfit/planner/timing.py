@@ -37,8 +37,8 @@ from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
-from meshfit.planner.comm_time import cp_comm, dp_comm, exposed, link, tp_comm
 from meshfit.planner.activations import gathered_kv_bytes
+from meshfit.planner.comm_time import cp_comm, dp_comm, exposed, link, tp_comm
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_BYTES
 
@@ -281,7 +281,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     rank_params = n_params / (tp * pp)
     # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
     dp_comm_s, gathers, reductions = dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
-                                              cbytes, sbytes, dp_overlap, of_comm)
+                                             cbytes, sbytes, dp_overlap, of_comm)
 
     bubble_s = pp_comm_s = 0.0
     if pp > 1:
@@ -295,7 +295,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         send = mb_tokens * model.dim * cbytes / (tp if layout.sp else 1)
         pp_comm_s = 2 * m * virtual * (alpha + send / bw)
 
-    # Optimizer step over the rank's share (ZeRO ≥ 1 updates 1/dp_shard), memory-bound; with offload it
+    # Optimizer step over the rank's share (ZeRO ≥ 1 updates 1/(dp_shard × cp)), memory-bound; with offload it
     # runs on the host and the sharded weights/gradients cross PCIe once per gather/reduction.
     owned = rank_params / (layout.shard if layout.zero_stage >= 1 else 1)
     step_bytes = 2.0 * owned * sbytes * (2 + OPTIMIZER_STATES[workload.optimizer])  # weights, grads, states
@@ -312,7 +312,6 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     total = compute_s + tp_comm_s + cp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
     tokens_per_s = workload.tokens / total
     return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s,
-                    cp_comm_s=cp_comm_s,
-                    dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s,
+                    cp_comm_s=cp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s,
                     optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
                     mfu=tokens_per_s * fpt / (layout.world_size * peak))
