@@ -312,6 +312,6 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     total = compute_s + tp_comm_s + cp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
     tokens_per_s = workload.tokens / total
     return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s,
-                    cp_comm_s=cp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s,
-                    optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
+                    cp_comm_s=cp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s,
+                    offload_s=offload_s, optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
                     mfu=tokens_per_s * fpt / (layout.world_size * peak))
