@@ -67,6 +67,13 @@ def test_block_activations_are_the_local_sequence_plus_the_gathered_keys_and_val
         assert checkpointed_block_bytes(SMALL, mode="bf16", seq=2048, batch=2, cp=cp) == 2048 // cp * 2 * SMALL.dim * 2
     # Tensor parallelism splits the key/value heads, so the gathered keys and values too.
     assert gathered_kv_bytes(SMALL, mode="bf16", seq=2048, batch=2, tp=2) == kv / 2
+    # The gathered keys and values replace the local ones; each chunk's fused-kernel output is kept next
+    # to their concatenation. Llama's `small` has kv_width = dim / 2 (the two cancel), GPT's kv_width = dim.
+    gpt = get_preset("small-gpt")
+    local_tokens = 1024 * 2
+    assert block_activation_bytes(gpt, seq=2048, cp=2, **kw) == (
+        block_activation_bytes(gpt, seq=1024, **kw) + gathered_kv_bytes(gpt, mode="bf16", seq=2048, batch=2)
+        - 2 * local_tokens * gpt.dim * 2 + local_tokens * gpt.dim * 2)
 
 
 def test_eager_scores_cover_each_chunks_prefix_of_the_keys():
@@ -81,7 +88,8 @@ def test_eager_scores_cover_each_chunks_prefix_of_the_keys():
     scores = SMALL.n_heads * (seq // cp) * cp_keys_per_query(seq, cp)
     mask = SMALL.n_heads // SMALL.n_kv_heads * (seq // cp) * cp_keys_per_query(seq, cp)
     lse = 4 * SMALL.n_heads * (seq // cp)
-    assert eager - flash == pytest.approx(2 * scores + mask - lse)
+    outputs = seq // cp * SMALL.dim * 2  # the fused kernel's per-chunk outputs
+    assert eager - flash == pytest.approx(2 * scores + mask - lse - outputs)
 
 
 def test_model_states_shard_over_dp_shard_times_cp():

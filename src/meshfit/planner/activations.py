@@ -16,13 +16,12 @@ row-parallel matmuls produce full-size partial sums, kept next to their reduced 
 checkpointed whole keeps its input.
 
 Context parallelism (parallel/context_parallel.py, degree cp): every sequence-long tensor is a rank's s/cp
-tokens; the attention kernel keeps the whole sequence's gathered keys and values (2·s·kv_width per
-block); eager scores (and the causal mask) cover each chunk's prefix of the keys. The "attention" and
-"op" policies recompute the gathered keys and values (the gather is re-run in backward) rather than keep
-them. ``benchmarks/block_activations.py --cp`` measures these per block with fake-tensor runs of the real
-blocks: the same bytes for Llama with flash attention and for every "op" and "attention" row; without
-recompute GPT and eager attention keep one h-wide tensor per local token less than planned (3-6% of a
-block at seq 512), not traced to its op.
+tokens; the attention kernel keeps the whole sequence's gathered keys and values (2·s·kv_width per block)
+in place of the local ones, and the fused kernel each chunk's output next to their concatenation; eager
+scores (and the causal mask) cover each chunk's prefix of the keys. The "attention" and "op" policies
+recompute the gathered keys and values (the gather is re-run in backward) rather than keep them.
+``benchmarks/block_activations.py --cp`` measures blocks on fake tensors: the same bytes for both families,
+both kernels, t = 1 and 2 + SP, every policy.
 """
 
 from __future__ import annotations
@@ -87,7 +86,11 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
         # key/value group, shared by the micro-batch's sequences.
         total += model.n_heads // model.n_kv_heads * local * (keys or seq)
     if cp > 1 and policy == "none":
-        total += gathered_kv_bytes(model, mode=mode, seq=seq, batch=batch, tp=tp)
+        # The kernel keeps the gathered keys and values in place of the local ones; the fused kernel also
+        # keeps each chunk's output, next to their concatenation (the output projection's input).
+        local_kv = tokens * 2 * model.n_kv_heads * model.head_dim * p / tp
+        outputs = tokens * model.dim * p / tp if attention == "flash" else 0.0
+        total += gathered_kv_bytes(model, mode=mode, seq=seq, batch=batch, tp=tp) - local_kv + outputs
     return total
 
 
