@@ -167,10 +167,6 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
         raise PlanInputError(f"--seq-len {workload.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; "
                              f"use --seq-len ≤ {model.max_seq_len} (or --dims max_seq_len=…)")
     error = cp_degree_error(layout.cp, workload.seq_len) if layout.cp > 1 else None
-    if layout.cp > 1 and layout.pp > 1:
-        # The pipeline stages infer their shapes from whole sequences (the dry run fails there).
-        error = (f"parallel.cp={layout.cp} with parallel.pp={layout.pp}: meshfit's pipeline stages take whole "
-                 "sequences, so context parallelism runs without pipelining; use parallel.pp 1")
     error = error or layout_error(dp_shard=layout.dp_shard, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage,
                                   offload=layout.offload, sp=layout.sp, loss_parallel=layout.loss_parallel,
                                   schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp,

@@ -206,7 +206,7 @@ def _stand_in_for_pipeline_peers(run: Any) -> None:
     arrives, so this rank's stages get the answers the peers would send: the vote that a run without
     static shapes reaches (DYNAMIC: infer shapes by running one micro-batch, as the real run does), the
     activation that a previous stage sends (a non-last stage's output: taken from a stage of this rank
-    once it has run, else the residual stream [micro-batch, sequence / tp with sp, dim] in the stage
+    once it has run, else the residual stream [micro-batch, sequence / cp (/ tp with sp), dim] in the stage
     compute dtype) and the gradient that a next stage sends back (shaped like this stage's output).
     The schedule itself, its sends/receives (into this rank's own buffers) and all compute run unchanged.
     """
@@ -234,7 +234,8 @@ def _stand_in_for_pipeline_peers(run: Any) -> None:
             if not stage.is_last and stage._stage_meta.outputs is not None:
                 return stage._stage_meta.outputs
         shape, dim = run.shape, run.cfg.model.resolve().dim
-        seq = run.cfg.train.seq_len // (shape.dims.tp if run.cfg.parallel.sp else 1)
+        # This rank's part of the sequence under context parallelism, sequence-split under SP.
+        seq = run.cfg.train.seq_len // shape.dims.cp // (shape.dims.tp if run.cfg.parallel.sp else 1)
         micro = shape.local_batch // shape.microbatches
         dtype = torch.bfloat16 if shape.mixed_precision and shape.zero_stage >= 2 else torch.float32
         return (_TensorMeta(shape=torch.Size((micro, seq, dim)), stride=(seq * dim, dim, 1), dtype=dtype,

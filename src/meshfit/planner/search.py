@@ -23,8 +23,9 @@ from meshfit.units import fmt_bytes
 
 # Fewest tokens of a sequence a context-parallel rank is planned with. Context parallelism answers sequences
 # whose activations one rank cannot hold; cutting them shorter only adds per-block gathers, and the bound
-# keeps the search at short sequences the size it was (no cp below 2 × 4096 tokens). A bound, not measured.
-MIN_CP_TOKENS = 4096
+# keeps the search the size it was up to 16K-token sequences (cp multiplies every other choice, pipelines
+# included). A bound on the search, not a measured break-even; `--layout cp=…` plans any degree.
+MIN_CP_TOKENS = 8192
 _NAMES = {"params": "weights", "grads": "gradients", "optim": "optimizer states", "activations": "activations",
           "buffers": "buffers"}
 
@@ -153,8 +154,7 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
     for tp in _tp_degrees(model, world, cluster.gpus_per_node):
         for cp in _cp_degrees(workload, world // tp, tp):
             sps = (False, True) if tp > 1 and workload.seq_len // cp % tp == 0 else (False,)
-            # meshfit's pipeline stages take whole sequences: no context parallelism under pipelining.
-            for pp in (p for p in _divisors(world // (tp * cp)) if p <= model.n_layers and (cp == 1 or p == 1)):
+            for pp in (p for p in _divisors(world // (tp * cp)) if p <= model.n_layers):
                 yield from _layouts(model, workload, world // (tp * cp * pp), tp, cp, pp, sps, acs, offloads,
                                     micro_batch)
 

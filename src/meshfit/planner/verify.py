@@ -90,7 +90,7 @@ def measured_ranks(layout: Layout) -> list[int]:
     element by element). With pipelining the pipeline ranks
     differ (the first keeps the most micro-batches in flight and the embedding, the last the head, the
     logits and the loss), so each pipeline coordinate is measured at data/tensor coordinate 0: global rank
-    k · (world / pp) in meshfit's mesh order (pp, dp_replicate, dp_shard, tp). Each holds 1/pp of the
+    k · (world / pp) in meshfit's mesh order (pp, dp_replicate, dp_shard, cp, tp). Each holds 1/pp of the
     layers, so together they cost about one dry run of the whole model.
     """
     return [k * (layout.world_size // layout.pp) for k in range(layout.pp)]
