@@ -140,3 +140,11 @@ def test_long_sequences_pick_cp_and_explain_says_activations_do_not_fit():
     assert "What does not fit here is activations, not weights" in text
     assert "- context parallelism splits every sequence" in text
     assert "best without context parallelism" in text
+
+
+def test_explain_says_nothing_of_activations_when_model_states_do_not_fit():
+    one = Cluster("H100-SXM", nodes=1, gpus_per_node=1)
+    plan = search(LLAMA8B, Workload(seq_len=2048, global_batch=4), one, model_name="llama3-8b")
+    text = explain(plan)
+    assert "Model states alone exceed the device" in text
+    assert "What does not fit here is activations" not in text
