@@ -1,6 +1,6 @@
 """Bytes one transformer block keeps for backward under mixed precision, measured vs the literature.
 
-    python benchmarks/block_activations.py [--seq 256] [--batch 2]
+    python benchmarks/block_activations.py [--seq 256] [--batch 2] [--cp]
 
 For each model family, tensor-parallel degree t = 1, 2 (with and without sequence parallelism), attention
 kernel and recompute policy, the model is laid out by meshfit's own `parallelize` (mixed precision: FSDP2's
@@ -15,6 +15,12 @@ difference is one block. Printed in units of s·b·h bytes per rank, next to:
 * plan: what `meshfit plan` assumes for that block (planner/activations.py).
 
 Shapes: GPT dim 256, 8 heads, MLP 1024, dropout 0.1; Llama dim 256, 8 heads, 4 KV heads, SwiGLU 688.
+
+With ``--cp`` it measures context parallelism instead (cp = 2 and 4, t = 1 and t = 2 with SP, dropout 0):
+rank 0 of a fake world (planner/fake_world.py, as `meshfit verify` runs one rank) builds the blocks with
+parallel.cp, runs the forward of its part of the sequence on fake tensors under the same tracker, and the
+plan column is `block_activation_bytes(..., cp=cp)`: the rank's seq/cp tokens plus the gathered keys and
+values.
 """
 
 from __future__ import annotations
@@ -67,6 +73,44 @@ def block_job(family: str, attention: str, dropout: float, t: int, sp: bool, pol
     return float(two - one)
 
 
+def _fake_forward_activations(cfg, t: int, sp: bool, policy: str, seq: int, batch: int, cp: int) -> int:
+    """Activations alive after the forward of cp rank 0 (its seq / cp tokens) in a fake world of cp · t."""
+    from meshfit.parallel.context_parallel import shard_sequence
+    from meshfit.planner.fake_world import fake_world
+
+    with fake_world(cp * t, 0) as fake:
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=t, pp=1, cp=cp)
+        parallel = ParallelSection(tp=t, sp=sp, cp=cp, activation_checkpointing=policy)
+        # ZeRO-3 over the cp ranks: mixed precision keeps no stage-0 replicas across them.
+        model = parallelize(build_model(cfg, "meta"), dims, dims.build_mesh("cpu"), cfg, parallel=parallel,
+                            zero_stage=3, mixed_precision=True, device=torch.device("cpu"), seed=0,
+                            materialize=lambda: fake, seq_len=seq)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with fake, tracker:
+            model(shard_sequence(tokens, cp, 0))
+            snapshot = next(iter(tracker.get_tracker_snapshot().values()))
+        return sum(v for k, v in snapshot.items() if str(k).endswith(("ACT", "TEMP")))
+
+
+def cp_rows(seq: int, batch: int) -> None:
+    print(f"{'family':<6} {'attention':<9} {'t':>2} {'SP':>3} {'policy':<9} {'cp':>2} {'measured':>9} {'plan':>7} "
+          f"{'ratio':>6}   (units of s·b·h bytes per rank, s the whole sequence)")
+    for family, attention, _ in CASES:
+        cfg = model_config(family, attention, 0.0, 1)
+        unit = seq * batch * cfg.dim
+        for t, sp in ((1, False), (2, True)):
+            for policy in POLICIES:
+                for cp in (2, 4):
+                    two, one = (_fake_forward_activations(model_config(family, attention, 0.0, n), t, sp, policy,
+                                                          seq, batch, cp) for n in (2, 1))
+                    plan = block_activation_bytes(cfg, mode="bf16", seq=seq, batch=batch, tp=t, sp=sp,
+                                                  attention=attention, policy=policy, cp=cp)
+                    print(f"{family:<6} {attention:<9} {t:>2} {'yes' if sp else 'no':>3} {policy:<9} {cp:>2} "
+                          f"{(two - one) / unit:>9.3f} {plan / unit:>7.3f} {(two - one) / plan:>6.3f}", flush=True)
+
+
 def literature(cfg, t: int, sp: bool, policy: str, seq: int, batch: int) -> float | None:
     if policy == "op":
         return None
@@ -80,7 +124,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--cp", action="store_true", help="context-parallel rows (fake world) instead")
     args = parser.parse_args()
+    if args.cp:
+        cp_rows(args.seq, args.batch)
+        return
     print(f"{'family':<6} {'attention':<9} {'t':>2} {'SP':>3} {'policy':<9} {'measured':>9} {'literature':>10} "
           f"{'ratio':>6} {'plan':>7} {'ratio':>6}   (units of s·b·h bytes per rank)")
     for family, attention, dropout in CASES:

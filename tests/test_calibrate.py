@@ -10,10 +10,11 @@ from meshfit.cli import main
 from meshfit.models.config import flops_per_token, num_params
 from meshfit.models.presets import get_preset
 from meshfit.models.traffic import elementwise_traffic
+from meshfit.planner.comm_time import DDP_BUCKET_BYTES
 from meshfit.planner.hardware import Cluster, cpu_device
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.profile import HardwareProfile, Link, load_profile, save_profile
-from meshfit.planner.timing import DDP_BUCKET_BYTES, step_time
+from meshfit.planner.timing import step_time
 
 TINY = get_preset("tiny")
 WORK = Workload(seq_len=64, global_batch=8, precision="fp32")

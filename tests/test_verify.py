@@ -86,6 +86,21 @@ def test_sequence_parallelism_keeps_only_the_shard_of_gathered_inputs(monkeypatc
     assert gathered.measured["activations"] - kept.measured["activations"] == regions * 64 * 8 * cfg.dim * 4 // 2
 
 
+def test_context_parallelism_shards_states_over_cp_and_keeps_a_part_of_each_sequence():
+    from meshfit.planner.estimate import estimate_memory
+
+    work = dataclasses.replace(FP32, seq_len=256, global_batch=2)
+    over_cp = verify_layout("tiny", Layout(cp=2, zero_stage=3), work)
+    over_dp = verify_layout("tiny", Layout(dp_shard=2, zero_stage=3), work)
+    _check_shape(over_cp, grads=False)
+    # The cp ranks hold the same weights: ZeRO-3 shards them (and the states) as it does over dp_shard.
+    assert over_cp.measured["optim"] == over_dp.measured["optim"]
+    # Each rank keeps half of every sequence (plus the gathered keys and values), against a whole one.
+    assert over_cp.measured["activations"] < 0.75 * over_dp.measured["activations"]
+    predicted = estimate_memory(get_preset("tiny"), Layout(cp=2, zero_stage=3), work).activations
+    assert predicted == pytest.approx(over_cp.measured["activations"], rel=0.05)
+
+
 def test_pipeline_measures_every_pipeline_rank_and_reports_the_most_loaded():
     lay = Layout(pp=2, micro_batch=2)  # 4 micro-batches: 1F1B's warm-up, steady state and drain
     assert measured_ranks(lay) == [0, 1]

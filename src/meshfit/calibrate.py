@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshfit.calibrate_tp import model_for_rates, slowest_tp, tp_rates
 from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
-from meshfit.planner.timing import ring_terms
+from meshfit.planner.comm_time import ring_terms
 from meshfit.units import fmt_bytes
 
 if TYPE_CHECKING:

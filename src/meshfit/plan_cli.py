@@ -151,22 +151,32 @@ def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
 
 def check_layout(model, layout, workload: Workload, cluster: Cluster | None = None) -> None:
     """Refuse, naming the flags, a layout that cannot run this model and workload (on this cluster)."""
+    from meshfit.parallel.context_parallel import cp_degree_error
     from meshfit.parallel.dims import divisors
+    from meshfit.parallel.rules import layout_error
     from meshfit.parallel.tensor_parallel import tp_degree_error
 
     if cluster is not None:
         refuse_cpu_offload(layout, is_cpu(cluster.gpu))
     if cluster is not None and layout.world_size != cluster.world_size:
         raise PlanInputError(f"--layout spans {layout.world_size} {device_noun(cluster.gpu, layout.world_size)} "
-                             f"({layout.describe()}: pp × dp_replicate × dp_shard × tp), the cluster "
+                             f"({layout.describe()}: pp × dp_replicate × dp_shard × cp × tp), the cluster "
                              f"{cluster.world_size} (--nodes {cluster.nodes} × --gpus-per-node "
                              f"{cluster.gpus_per_node}): make the two equal")
     if workload.seq_len > model.max_seq_len:
         raise PlanInputError(f"--seq-len {workload.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; "
                              f"use --seq-len ≤ {model.max_seq_len} (or --dims max_seq_len=…)")
-    error = tp_degree_error(model, layout.tp, workload.seq_len, layout.sp) if layout.tp > 1 else None
+    error = cp_degree_error(layout.cp, workload.seq_len) if layout.cp > 1 else None
+    error = error or layout_error(dp_shard=layout.dp_shard, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage,
+                                  offload=layout.offload, sp=layout.sp, loss_parallel=layout.loss_parallel,
+                                  schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp,
+                                  mixed_precision=workload.precision != "fp32", config_names=True)
+    seq = "train.seq_len" if layout.cp == 1 else "train.seq_len/cp"
+    # Under context parallelism sequence parallelism splits each rank's part of the sequence.
+    error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp, seq)
+                      if layout.tp > 1 else None)
     if error:
-        raise PlanInputError(error.replace("parallel.tp", "--layout tp").replace("train.seq_len", "--seq-len"))
+        raise PlanInputError(error.replace("parallel.", "--layout ").replace("train.seq_len", "--seq-len"))
     dp, batch = layout.dp, workload.global_batch
     if batch % dp:
         raise PlanInputError(f"--global-batch {batch} is not a multiple of the layout's data-parallel degree {dp} "

@@ -21,11 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
-from meshfit.planner.activations import (
-    block_activation_bytes,
-    block_weight_params,
-    checkpointed_block_bytes,
-)
+from meshfit.planner.activations import block_weight_params, head_bytes, layout_activations
 from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background, stashes_gradients
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
@@ -113,7 +109,8 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
 
 
 def _kind(layout: Layout, workload: Workload) -> str:
-    return data_parallel_kind(layout.zero_stage, layout.dp, layout.tp, workload.precision != "fp32")
+    # Context-parallel ranks hold the same weights: they join the data-parallel replicas or shards.
+    return data_parallel_kind(layout.zero_stage, layout.dp * layout.cp, layout.tp, workload.precision != "fp32")
 
 
 def _mode(workload: Workload) -> str:
@@ -132,49 +129,6 @@ def _reduce_bytes(workload: Workload, layout: Layout, c_bytes: int) -> int:
     return c_bytes
 
 
-def _head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held: int = 1,
-                transient: bool = True) -> float:
-    """The last stage around the loss for ``held`` micro-batches whose forward is done and backward not.
-
-    Each keeps the final norm's saved tensors, its logits (compute dtype) and the log-softmax output
-    (fp32); on top comes the largest transient of the loss: the fp32 gradients of the log-probabilities
-    and of the logits, which coexist in its backward whatever the logits' dtype.
-    """
-    vocab = model.padded_vocab / layout.tp if layout.loss_parallel else model.padded_vocab
-    p = 4 if mode == "fp32" else 2
-    norm = tokens * model.dim * (12 if mode != "bf16" else 8) / (layout.tp if layout.sp else 1)
-    saved = norm + tokens * vocab * (p + 4)
-    # Measured with torch's tracker (seq 1024, vocabulary 8192): two fp32 logit-sized gradients in the
-    # loss's backward, 16-bit logits or not (the forward's fp32 copy of 16-bit logits, 4 bytes, is less).
-    # torch's loss-parallel cross-entropy keeps one more fp32 tensor of the local logits' size.
-    extra = 4 if layout.loss_parallel else 0
-    return held * saved + (tokens * vocab * (8 + extra) if transient else 0.0)
-
-
-def _activations(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, mode: str
-                 ) -> tuple[float, float]:
-    """(saved activations of one micro-batch through ``share``'s layers, what backward adds on top).
-
-    With checkpointed blocks, backward re-runs one checkpointed block at a time in full; while that block's
-    gradients are computed its recomputed activations and the gradient temporaries (together about 1.45
-    blocks' activations, as measured with torch's tracker) are alive. The "op" and "attention" policies
-    recompute, one block at a time, what they did not keep.
-    """
-    kw = dict(mode=mode, seq=workload.seq_len, batch=layout.micro_batch, tp=layout.tp, sp=layout.sp)
-    ac = layout.activation_checkpointing
-    full = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, **kw)
-    if ac in ("none", "op", "attention"):
-        kept = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, policy=ac,
-                                      **kw)
-        return share.layers * kept, full - kept
-    kept = checkpointed_block_bytes(model, **kw)
-    if ac == "full":
-        checkpointed = share.layers
-    else:  # every 2nd block, as parallel.ac_every's default
-        checkpointed = share.layers // 2
-    return checkpointed * kept + (share.layers - checkpointed) * full, full * 1.45
-
-
 @dataclass(frozen=True)
 class _States:
     """Bytes of weights, gradients and optimizer states one rank keeps (most-loaded rank of its share)."""
@@ -189,7 +143,7 @@ def _states(layout: Layout, workload: Workload, n: float) -> _States:
     w_bytes, g_bytes, o_bytes = state_bytes(workload.precision, workload.optimizer)
     if layout.offload:
         return _States(0.0, 0.0, 0.0, 0.0)
-    share = layout.dp_shard if layout.zero_stage >= 1 else 1
+    share = layout.shard if layout.zero_stage >= 1 else 1
     grads = n * g_bytes / share
     ddp = _kind(layout, workload) == "ddp"
     return _States(n * w_bytes / share, grads, n * o_bytes / share, grads if ddp else 0.0)
@@ -210,24 +164,24 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     mode = _mode(workload)
     kind = _kind(layout, workload)
     c_bytes = 4 if mode == "fp32" else 2
-    stage, ds = layout.zero_stage, layout.dp_shard
+    stage, ds = layout.zero_stage, layout.shard  # FSDP shards over dp_shard × cp
     n = share.params
-    # FSDP2 keeps gathered compute copies: sharding over dp_shard ranks, or replicas of TP weights.
+    # FSDP2 keeps gathered compute copies: sharding over dp_shard × cp ranks, or replicas of TP weights.
     fsdp = (stage >= 1 and ds > 1) or kind == "replicas"
     keep = stage in (1, 2)  # gathered weights kept from forward to the last micro-batch's backward
     st = _states(layout, workload, n)
     params, optim, grads_full = st.params, st.optim, st.grads
     # RoPE's cos/sin tables (fp32, max_seq_len × head_dim each) live in every Llama stage module.
     buckets = 2 * model.max_seq_len * model.head_dim * 4 * share.stages if model.family == "llama" else 0.0
-    tokens = workload.seq_len * layout.micro_batch
-    act_mb, recompute = _activations(model, layout, workload, share, mode)
+    tokens = workload.seq_len // layout.cp * layout.micro_batch  # this rank's part of each sequence
+    act_mb, recompute = layout_activations(model, layout, workload, share.layers, mode)
     local = workload.global_batch // layout.dp
     micro = max(1, local // layout.micro_batch)
     # GPipe runs every forward, loss included, before any backward; the other schedules start a
     # micro-batch's backward right after its loss.
     held = micro if (layout.pp > 1 and layout.schedule == "gpipe") else 1
-    head = _head_bytes(model, layout, mode, tokens, held) if share.last else 0.0
-    head_saved = _head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
+    head = head_bytes(model, layout, mode, tokens, held) if share.last else 0.0
+    head_saved = head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
     # Stage 1 and stage-0 replicas accumulate full, unreduced gradients until the last micro-batch (in the
     # reduce dtype).
     accumulated = n * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
@@ -378,7 +332,7 @@ def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States,
     cast = share.root_params * r_bytes if r_bytes != c_bytes else 0.0
     # Over a single shard FSDP reduces in place: the copy is the output. A copy in a wider reduce dtype is
     # made while the compute-dtype gradients live; they are freed before the reduced shard is allocated.
-    output = share.root_params * r_bytes / layout.dp_shard if layout.dp_shard > 1 else 0.0
+    output = share.root_params * r_bytes / layout.shard if layout.shard > 1 else 0.0
     if stash:
         earlier = (params, stash + root, optim, cast or output, buckets)
         last = (st.params, blocks_sharded + stash + root, optim, cast or output, buckets)

@@ -103,7 +103,8 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
         f"What remains is activations ({fmt_bytes(zero[3].activations)}); full activation checkpointing "
         f"keeps only block inputs ({fmt_bytes(zero3_ac.total)} in all, {_verdict(zero3_ac, usable)}) for "
         "about one more forward pass of compute (~33%).")
-    tp = _best(plan, lambda lay: lay.tp > 1 and lay.pp == 1) or _fastest_any(plan, lambda lay: lay.tp > 1)
+    tp = (_best(plan, lambda lay: lay.tp > 1 and lay.pp == 1 and lay.cp == 1)
+          or _fastest_any(plan, lambda lay: lay.tp > 1 and lay.cp == 1))
     if tp:
         lines.append(
             f"- Tensor parallelism splits every matmul within a node (tp ≤ {plan.cluster.gpus_per_node}): weights, "
@@ -121,13 +122,43 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
     return lines
 
 
+def _activation_section(plan: Plan, usable: float) -> list[str]:
+    """When activations, not model states, keep the fully sharded layout from fitting: what each technique
+    that shrinks activations does to them (recompute, micro-batch, sequence and context parallelism)."""
+    world, wl = plan.cluster.world_size, plan.workload
+    sharded = estimate_memory(plan.model, Layout(dp_shard=world, zero_stage=3, micro_batch=1), wl)
+    states = sharded.params + sharded.grads + sharded.optim
+    if sharded.total <= usable or sharded.activations <= states:
+        return []
+    lines = ["", f"What does not fit here is activations, not weights: ZeRO-3 over {world} ranks leaves "
+             f"{fmt_bytes(states)} of model states per rank, but one sequence of {wl.seq_len} tokens keeps "
+             f"{fmt_bytes(sharded.activations)} of activations (peak at {sharded.phase}). What answers it:"]
+    plain = lambda lay: lay.tp == 1 and lay.pp == 1 and lay.cp == 1  # noqa: E731
+    techniques = [
+        ("recompute (activation checkpointing full) keeps only each block's input",
+         lambda lay: plain(lay) and lay.activation_checkpointing == "full"),
+        ("sequence parallelism splits the norms' and residual stream's activations over the tensor-parallel "
+         "ranks (with tp, in a node)", lambda lay: lay.sp and lay.cp == 1 and lay.pp == 1),
+        ("context parallelism splits every sequence over cp ranks (each keeps seq/cp of every activation plus "
+         "the gathered keys and values)", lambda lay: lay.cp > 1),
+    ]
+    for words, test in techniques:
+        found = _best(plan, test) or _fastest_any(plan, test)
+        acts = f"activations {fmt_bytes(found.memory.activations)}; " if found else ""
+        lines.append(f"- {words}: {acts}{_line(found, usable)}")
+    # The fully sharded layout above runs one sequence per forward already (micro-batch 1).
+    lines.append("- a smaller micro-batch cannot help: one sequence per forward pass is the least there is; the "
+                 "sequence's own activations must be recomputed or split.")
+    return lines
+
+
 def _megatron_lines(plan: Plan, usable: float) -> list[str]:
     """Megatron-LM's standard layout (TP × PP × ZeRO-1) against FSDP × TP on this cluster."""
     def zero1_tp_pp(lay: Layout) -> bool:
-        return lay.tp > 1 and lay.pp > 1 and lay.zero_stage == 1
+        return lay.tp > 1 and lay.pp > 1 and lay.zero_stage == 1 and lay.cp == 1
 
     def fsdp_tp(lay: Layout) -> bool:
-        return lay.tp > 1 and lay.pp == 1 and lay.zero_stage == 3
+        return lay.tp > 1 and lay.pp == 1 and lay.zero_stage == 3 and lay.cp == 1
 
     megatron = _best(plan, zero1_tp_pp) or _fastest_any(plan, zero1_tp_pp)
     fsdp = _best(plan, fsdp_tp) or _fastest_any(plan, fsdp_tp)
@@ -166,7 +197,8 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
     d = fmt_duration
     lines.append(f"  step {d(t.total_s)} = compute {d(t.compute_s)} (element-wise {d(t.elementwise_s)}, recompute "
                  f"{d(t.recompute_s)}) + TP "
-                 f"{d(t.tp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble {d(t.bubble_s)} + "
+                 f"{d(t.tp_comm_s)} + CP {d(t.cp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble "
+                 f"{d(t.bubble_s)} + "
                  f"offload {d(t.offload_s)} + optimizer {d(t.optimizer_s)}; {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {t.mfu:.0%}")
     lines.append(_compile_line(plan, best))
@@ -174,7 +206,9 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
         ("without CPU offload", _best(plan, lambda lay: not lay.offload)),
         ("without pipeline parallelism", _best(plan, lambda lay: lay.pp == 1)),
         ("without tensor parallelism", _best(plan, lambda lay: lay.tp == 1)),
-        ("pure data parallelism (ZeRO/FSDP only)", _best(plan, lambda lay: lay.tp == 1 and lay.pp == 1)),
+        ("without context parallelism", _best(plan, lambda lay: lay.cp == 1)),
+        ("pure data parallelism (ZeRO/FSDP only)",
+         _best(plan, lambda lay: lay.tp == 1 and lay.pp == 1 and lay.cp == 1)),
     ]
     lines.append("Alternatives:")
     for label, cand in alternatives:
@@ -205,7 +239,8 @@ def _compile_line(plan: Plan, best: Candidate) -> str:
 def explain(plan: Plan) -> str:
     """The plain-language answer to "which techniques should we use?" for ``plan``'s model and cluster."""
     usable = usable_bytes(plan.cluster.gpu)
-    return "\n".join(_states_section(plan, usable) + _technique_section(plan, usable) + _recommendation(plan, usable))
+    return "\n".join(_states_section(plan, usable) + _technique_section(plan, usable)
+                     + _activation_section(plan, usable) + _recommendation(plan, usable))
 
 
 def _tp_cost(candidate: Candidate) -> str:

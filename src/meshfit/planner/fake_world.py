@@ -40,7 +40,8 @@ def fake_world(world: int, rank: int) -> Iterator[Any]:
     excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with _isolated_sharding_propagation(), _ddp_without_start_up_checks():
+        with (_isolated_sharding_propagation(), _ddp_without_start_up_checks(),
+              _lower_right_attention_as_on_a_gpu()):
             yield FakeTensorMode(allow_non_fake_inputs=True)
     finally:
         dist.destroy_process_group()
@@ -128,6 +129,33 @@ def _ddp_without_start_up_checks() -> Iterator[None]:
             setattr(ddp_module, name, value)
 
 
+@contextlib.contextmanager
+def _lower_right_attention_as_on_a_gpu() -> Iterator[None]:
+    """Context parallelism's query chunks attend to a prefix of the gathered keys under torch's lower-right
+    causal bias (models/layers.py). A GPU runs it in 16 bits in a fused kernel without a mask (flash
+    attention's causal mode ends the diagonal at the last key; it keeps its output and a log-sum-exp; the
+    dry run assumes the same in fp32, where torch picks another kernel), while torch's
+    CPU path materializes the mask as an additive queries × keys tensor that the CPU kernel keeps for
+    backward. The dry run counts what a GPU rank holds (as it does for offload), so here it runs the fused
+    kernel's op, whose meta function sizes the output and log-sum-exp on the fake CPU tensors."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    original = CausalBias.__dict__["_dispatch"]
+
+    def dispatch(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float = 0.0,
+                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        if attn_mask.variant != CausalVariant.LOWER_RIGHT or attn_mask.seq_len_q == attn_mask.seq_len_kv:
+            return original.__func__(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal=True,
+                                                                  scale=scale)[0]
+
+    CausalBias._dispatch = staticmethod(dispatch)
+    try:
+        yield
+    finally:
+        CausalBias._dispatch = original
+
+
 class _RealIntegerOps(TorchDispatchMode):
     """Runs ops on plain integer tensors for real: DDP's one-time bucket rebuild (step 2) broadcasts the
     new bucket layout as int32 tensors that C++ code then reads. Float tensors (the buckets) stay fake."""
@@ -178,7 +206,7 @@ def _stand_in_for_pipeline_peers(run: Any) -> None:
     arrives, so this rank's stages get the answers the peers would send: the vote that a run without
     static shapes reaches (DYNAMIC: infer shapes by running one micro-batch, as the real run does), the
     activation that a previous stage sends (a non-last stage's output: taken from a stage of this rank
-    once it has run, else the residual stream [micro-batch, sequence / tp with sp, dim] in the stage
+    once it has run, else the residual stream [micro-batch, sequence / cp (/ tp with sp), dim] in the stage
     compute dtype) and the gradient that a next stage sends back (shaped like this stage's output).
     The schedule itself, its sends/receives (into this rank's own buffers) and all compute run unchanged.
     """
@@ -206,7 +234,8 @@ def _stand_in_for_pipeline_peers(run: Any) -> None:
             if not stage.is_last and stage._stage_meta.outputs is not None:
                 return stage._stage_meta.outputs
         shape, dim = run.shape, run.cfg.model.resolve().dim
-        seq = run.cfg.train.seq_len // (shape.dims.tp if run.cfg.parallel.sp else 1)
+        # This rank's part of the sequence under context parallelism, sequence-split under SP.
+        seq = run.cfg.train.seq_len // shape.dims.cp // (shape.dims.tp if run.cfg.parallel.sp else 1)
         micro = shape.local_batch // shape.microbatches
         dtype = torch.bfloat16 if shape.mixed_precision and shape.zero_stage >= 2 else torch.float32
         return (_TensorMeta(shape=torch.Size((micro, seq, dim)), stride=(seq * dim, dim, 1), dtype=dtype,

@@ -27,13 +27,15 @@ class Layout:
 
     ``micro_batch`` is the sequences one rank runs per forward pass. Without pipelining the rank's batch
     (global batch / dp) is split into accumulation steps of ``micro_batch``; with pipelining it is split into
-    ``local batch / micro_batch`` pipeline micro-batches.
+    ``local batch / micro_batch`` pipeline micro-batches. ``cp`` ranks split each sequence (context
+    parallelism) and read the same sequences: the data-parallel degree ``dp`` does not include them.
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     zero_stage: int = 0
     offload: bool = False
     activation_checkpointing: str = "none"
@@ -48,12 +50,18 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def shard(self) -> int:
+        """Ranks FSDP/ZeRO shard model states over: dp_shard × cp (context-parallel ranks hold the same
+        weights, so they shard them too)."""
+        return self.dp_shard * self.cp
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def check(self) -> None:
         """Raise ValueError naming the field when the layout cannot run (independent of the model)."""
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "virtual_stages", "micro_batch"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"layout {name}={value!r} must be a positive integer")
@@ -64,7 +72,8 @@ class Layout:
                              f"valid: {', '.join(AC_MODES)}")
         error = layout_error(dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, zero_stage=self.zero_stage,
                              offload=self.offload, sp=self.sp, loss_parallel=self.loss_parallel,
-                             schedule=self.schedule, virtual_stages=self.virtual_stages, config_names=False)
+                             schedule=self.schedule, virtual_stages=self.virtual_stages, cp=self.cp,
+                             config_names=False)
         if error:
             raise ValueError(error)
 
@@ -78,6 +87,10 @@ class Layout:
             else:
                 kind += f" dp={self.dp}"
             parts.append(kind)
+        if self.dp == 1 and self.cp > 1:  # data-parallel state over the cp ranks alone
+            parts.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[self.zero_stage])
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + ("+sp" if self.sp else "") + ("+lp" if self.loss_parallel else ""))
         if self.pp > 1:
@@ -106,8 +119,8 @@ class Layout:
     def config_sections(self, global_batch: int) -> dict[str, dict[str, Any]]:
         """The config sections (typed values, the trainer's own field names) that make `meshfit train` run
         exactly this layout."""
-        parallel = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "offload",
-                                                  "sp", "loss_parallel", "activation_checkpointing")}
+        parallel = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage",
+                                                  "offload", "sp", "loss_parallel", "activation_checkpointing")}
         if self.pp > 1:
             local = global_batch // self.dp
             pipeline = {"schedule": self.schedule, "virtual_stages": self.virtual_stages,
@@ -151,7 +164,7 @@ def parse_layout(text: str, base: Layout | None = None) -> Layout:
     values = parse_assignments(text, Layout, "--layout")
     layout = replace(base or Layout(), **values)
     if "zero_stage" not in values and layout.zero_stage == 0:
-        layout = replace(layout, zero_stage=default_zero_stage(layout.dp_shard))  # the config's default
+        layout = replace(layout, zero_stage=default_zero_stage(layout.dp_shard, layout.cp))  # the config's default
     if "virtual_stages" not in values and layout.pp > 1:
         layout = replace(layout, virtual_stages=default_virtual_stages(layout.schedule)
                          if layout.schedule in SCHEDULES else 1)

@@ -67,8 +67,8 @@ _CORE = "core"  # attention core (scores, softmax, its dropout): split by heads;
 
 
 def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, attention: str,
-                   family: str = "gpt", ffn: Fraction = Fraction(4), kv: Fraction = Fraction(1)
-                   ) -> dict[str, tuple[Fraction, str]]:
+                   family: str = "gpt", ffn: Fraction = Fraction(4), kv: Fraction = Fraction(1),
+                   keys: Fraction | None = None) -> dict[str, tuple[Fraction, str]]:
     """Bytes each tensor saved for backward takes in one layer before any splitting, and how it splits.
 
     Korthikanti et al. 2022, §4.1 (GPT), with p = bytes per value (their 2) and 1-byte dropout masks.
@@ -102,7 +102,9 @@ def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, a
         saved["attn.dropout_mask"] = (sbh, _SEQ)
         saved["mlp.dropout_mask"] = (sbh, _SEQ)
     if attention == "eager":
-        scores = Fraction(a * s * s * b)  # one value per head, query and key
+        # One value per head, query and key: s keys per query row, or under context parallelism the
+        # ``keys`` of the gathered sequence each local query chunk scores on average.
+        scores = a * s * b * (Fraction(s) if keys is None else keys)
         # The QKᵀ scores themselves are not kept: softmax's backward needs only its output.
         saved["attn.softmax_output"] = (p * scores, _CORE)
         if dropout:
@@ -118,7 +120,7 @@ def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, a
 
 def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str,
                      bytes_per_value: float, dropout: bool, attention: str, family: str = "gpt",
-                     ffn: float = 4, kv: float = 1) -> dict[str, Fraction]:
+                     ffn: float = 4, kv: float = 1, keys: float | None = None) -> dict[str, Fraction]:
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         _check_int(name, value, 1)
     if recompute not in RECOMPUTE:
@@ -137,7 +139,8 @@ def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute
         # Only the layer input survives the forward; with SP it is the sequence-sharded residual stream.
         return {"layer_input": p * s * b * h / (t if sp else 1)}
     out = {}
-    saved = _saved_tensors(s, b, h, a, p, dropout, attention, family, Fraction(ffn), Fraction(kv))
+    saved = _saved_tensors(s, b, h, a, p, dropout, attention, family, Fraction(ffn), Fraction(kv),
+                           None if keys is None else Fraction(keys))
     for name, (size, split) in saved.items():
         if split == _CORE and recompute == "selective":
             continue
@@ -148,7 +151,7 @@ def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute
 def activation_terms_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
     bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",
-    ffn: float = 4, kv: float = 1,
+    ffn: float = 4, kv: float = 1, keys: float | None = None,
 ) -> dict[str, float]:
     """Per-rank bytes of each tensor one GPT transformer layer keeps for its backward (one micro-batch).
 
@@ -158,7 +161,7 @@ def activation_terms_per_layer(
     layer's input. The values add up to :func:`activation_bytes_per_layer`.
     """
     terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention, family, ffn,
-                             kv)
+                             kv, keys)
     return {name: float(value) for name, value in terms.items()}
 
 
@@ -167,7 +170,7 @@ def activation_terms_per_layer(
 def activation_bytes_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
     bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",
-    ffn: float = 4, kv: float = 1,
+    ffn: float = 4, kv: float = 1, keys: float | None = None,
 ) -> float:
     """Per-rank activation bytes one GPT-style transformer layer keeps for backward (one micro-batch).
 
@@ -184,10 +187,12 @@ def activation_bytes_per_layer(
     masks and the dropout outputs, ``attention="flash"`` replaces the 5as²b attention core by a
     4asb-byte fp32 log-sum-exp. Embeddings, the final norm, the head and the loss are not included.
     ``family="llama"`` counts the Llama block by the same rule (see ``_saved_tensors``), with ``ffn`` =
-    ffn_hidden / h and ``kv`` = kv_heads / heads.
+    ffn_hidden / h and ``kv`` = kv_heads / heads. ``keys``: the keys each query row scores (eager
+    attention), on average, when they are not the ``s`` queries themselves (context parallelism: ``s`` is a
+    rank's part of the sequence, ``keys`` the prefix of the gathered one its chunks see).
     """
     terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention, family, ffn,
-                             kv)
+                             kv, keys)
     return float(sum(terms.values(), Fraction(0)))
 
 

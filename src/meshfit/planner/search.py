@@ -21,6 +21,11 @@ from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.timing import StepTime, step_time
 from meshfit.units import fmt_bytes
 
+# Fewest tokens of a sequence a context-parallel rank is planned with. Context parallelism answers sequences
+# whose activations one rank cannot hold; cutting them shorter only adds per-block gathers, and the bound
+# keeps the search the size it was up to 16K-token sequences (cp multiplies every other choice, pipelines
+# included). A bound on the search, not a measured break-even; `--layout cp=…` plans any degree.
+MIN_CP_TOKENS = 8192
 _NAMES = {"params": "weights", "grads": "gradients", "optim": "optimizer states", "activations": "activations",
           "buffers": "buffers"}
 
@@ -43,8 +48,8 @@ class Candidate:
                 "peak_phase": self.memory.phase,
                 "step_time_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
                 "time": {k: getattr(self.time, k) for k in ("compute_s", "recompute_s", "elementwise_s", "tp_comm_s",
-                                                            "dp_comm_s", "pp_comm_s", "bubble_s", "offload_s",
-                                                            "optimizer_s")},
+                                                            "cp_comm_s", "dp_comm_s", "pp_comm_s", "bubble_s",
+                                                            "offload_s", "optimizer_s")},
                 "why": self.why}
 
 
@@ -83,6 +88,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _cp_degrees(workload: Workload, ranks: int, tp: int) -> list[int]:
+    """Context-parallel degrees among ``ranks`` (the ranks tensor parallelism leaves): each must cut the
+    sequence into 2·cp equal chunks, leave sequence parallelism a whole split, and keep at least
+    MIN_CP_TOKENS tokens per rank."""
+    seq = workload.seq_len
+    return [c for c in _divisors(ranks) if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CP_TOKENS
+                                                       and (seq // c) % tp == 0)]
+
+
 def _tp_degrees(model: ModelConfig, world: int, per_node: int) -> list[int]:
     # Tensor parallelism stays inside a node (its collectives run every layer) and must split the heads,
     # key/value heads and MLP width evenly, as training requires (the vocabulary is padded instead).
@@ -111,11 +125,13 @@ def _pipelines(model: ModelConfig, pp: int, micro: int) -> Iterator[tuple[str, i
             yield schedule, virtual
 
 
-def _data_parallel(dp: int) -> Iterator[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, zero_stage) choices for ``dp`` data-parallel ranks (any tp and pp)."""
+def _data_parallel(dp: int, cp: int = 1) -> Iterator[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero_stage) choices for ``dp`` data-parallel ranks (any tp and pp) beside
+    ``cp`` context-parallel ones, over which ZeRO shards as well."""
     if dp == 1:
         yield 1, 1, 0
-        yield 1, 1, 3  # FSDP on one rank: only matters with offload
+        # FSDP on one rank only matters with offload; over cp ranks every stage shards.
+        yield from ((1, 1, stage) for stage in ((1, 2, 3) if cp > 1 else (3,)))
         return
     yield dp, 1, 0  # DDP (replicas of tensor-parallel weights with tp > 1)
     for stage in (1, 2, 3):
@@ -136,27 +152,32 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
         # The fused kernel keeps only its statistics: recomputing its core saves nothing and costs time.
         acs = tuple(mode for mode in acs if mode != "attention")
     for tp in _tp_degrees(model, world, cluster.gpus_per_node):
-        sps = (False, True) if tp > 1 and workload.seq_len % tp == 0 else (False,)
-        for pp in (p for p in _divisors(world // tp) if p <= model.n_layers):
-            dp = world // (tp * pp)
-            if workload.global_batch % dp:
-                continue
-            local = workload.global_batch // dp
-            mbs = (micro_batch,) if micro_batch else [b for b in _divisors(local) if b <= 64]
-            for mb in mbs:
-                if local % mb:
+        for cp in _cp_degrees(workload, world // tp, tp):
+            sps = (False, True) if tp > 1 and workload.seq_len // cp % tp == 0 else (False,)
+            for pp in (p for p in _divisors(world // (tp * cp)) if p <= model.n_layers):
+                yield from _layouts(model, workload, world // (tp * cp * pp), tp, cp, pp, sps, acs, offloads,
+                                    micro_batch)
+
+
+def _layouts(model: ModelConfig, workload: Workload, dp: int, tp: int, cp: int, pp: int, sps: tuple[bool, ...],
+             acs: tuple[str, ...], offloads: bool, micro_batch: int | None) -> Iterator[Layout]:
+    if workload.global_batch % dp:
+        return
+    local = workload.global_batch // dp
+    mbs = (micro_batch,) if micro_batch else [b for b in _divisors(local) if b <= 64]
+    for mb, (schedule, virtual) in ((mb, pipe) for mb in mbs if local % mb == 0
+                                    for pipe in _pipelines(model, pp, local // mb)):
+        for rep, shard, stage in _data_parallel(dp, cp):
+            if stage == 0 and cp > 1 and (tp > 1 or workload.precision != "fp32"):
+                continue  # replicas over cp ranks run as DDP only (parallel/rules.py)
+            for offload in ((False, True) if stage >= 2 and offloads else (False,)):
+                if shard * cp == 1 and stage == 3 and not offload:
                     continue
-                for schedule, virtual in _pipelines(model, pp, local // mb):
-                    for rep, shard, stage in _data_parallel(dp):
-                        for offload in ((False, True) if stage >= 2 and offloads else (False,)):
-                            if dp == 1 and stage == 3 and not offload:
-                                continue
-                            for ac in acs:
-                                for sp in sps:
-                                    yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, zero_stage=stage,
-                                                 offload=offload, activation_checkpointing=ac, sp=sp,
-                                                 loss_parallel=sp, schedule=schedule, virtual_stages=virtual,
-                                                 micro_batch=mb)
+                for ac in acs:
+                    for sp in sps:
+                        yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=stage,
+                                     offload=offload, activation_checkpointing=ac, sp=sp, loss_parallel=sp,
+                                     schedule=schedule, virtual_stages=virtual, micro_batch=mb)
 
 
 def why_not(memory: MemoryEstimate, usable: float) -> str:
@@ -171,12 +192,15 @@ def why_not(memory: MemoryEstimate, usable: float) -> str:
 
 def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cluster) -> Candidate:
     """Memory, time and fit of one layout; raises ValueError when it cannot run on this cluster."""
+    from meshfit.parallel.context_parallel import cp_degree_error
     from meshfit.parallel.tensor_parallel import tp_degree_error
 
     layout.check()
-    error = tp_degree_error(model, layout.tp, workload.seq_len, layout.sp) if layout.tp > 1 else None
+    error = cp_degree_error(layout.cp, workload.seq_len) if layout.cp > 1 else None
+    error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp)
+                      if layout.tp > 1 else None)
     if error:
-        raise ValueError(error.replace("parallel.tp", "layout tp"))
+        raise ValueError(error.replace("parallel.", "layout ").replace("train.seq_len", "seq_len"))
     time = step_time(model, layout, workload, cluster)
     memory = estimate_memory(model, layout, workload, backend(cluster))
     usable = usable_bytes(cluster.gpu)

@@ -17,17 +17,10 @@ literature it cites and the way meshfit's torch building blocks communicate:
   its eager element-wise bytes, and op-level recompute's re-run element-wise forward the same fraction
   (it is fused into the backward's kernels). Matmul, attention and communication terms are unchanged, and
   so is memory (the planner assumes a compiled block keeps what an eager one keeps).
-* Collectives are rings (Patarasuk & Yuan 2009; NCCL): all-reduce 2(n−1)/n · bytes/bw, all-gather and
-  reduce-scatter (n−1)/n · bytes/bw, plus a latency alpha per hop and call ((n−1) hops, twice for an
-  all-reduce, which is a reduce-scatter followed by an all-gather).
-* Tensor parallelism (Megatron, Shoeybi et al. 2019; with sequence parallelism Korthikanti et al. 2022):
-  per block two all-reduces of s·b·h activations in forward and two in backward (SP: all-gathers plus
-  reduce-scatters of the same bytes), two more with full recomputation; never overlapped.
+* Communication (collectives as rings, tensor, context and data parallelism, placement on the mesh):
+  planner/comm_time.py.
 * Pipeline bubble (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM"): (p−1)/m of the ideal time for gpipe and 1f1b, (p−1)/(m·v) interleaved.
-* Placement: the mesh is (pp, dp_replicate, dp_shard, tp) outer to inner on consecutive ranks, so a
-  group of ``size`` ranks ``stride`` apart stays in one node iff stride · size ≤ gpus_per_node; a group
-  that spans nodes runs at the per-GPU inter-node rate.
 
 Not modelled: kernel launch gaps, stragglers, and the kernels' distance from their peaks at the model's
 shapes; ``efficiency`` absorbs them. A rate calibrated on the model itself (``calibrate --model``) holds
@@ -37,15 +30,15 @@ all of a step's compute: element-wise work is not added to it.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
-from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
+from meshfit.planner.activations import gathered_kv_bytes
+from meshfit.planner.comm_time import cp_comm, dp_comm, exposed, link, tp_comm
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_BYTES
 
@@ -60,12 +53,6 @@ EFFICIENCY = 0.5
 # (Dao et al. 2022) reports 2–4× faster attention than the PyTorch baseline; we take the low end and apply
 # it to the attention-core FLOPs only.
 EAGER_ATTENTION_SLOWDOWN = 2.0
-# Latency per ring hop and collective call (NCCL's small-message latency is a few µs per step over
-# NVLink, more over InfiniBand/RoCE).
-ALPHA_INTRA_S = 5e-6
-ALPHA_INTER_S = 10e-6
-# Fraction of the link rate a large ring collective or send reaches (NCCL bus bandwidth vs. line rate).
-COLLECTIVE_BW_EFFICIENCY = 0.8
 # Fraction of the compute during which data-parallel communication and offload copies run hidden
 # (FSDP prefetching, DDP bucket hooks): the first gather and the last reduction of a pass stay exposed,
 # and communication kernels slow the compute they share the GPU with.
@@ -89,8 +76,6 @@ HBM_EFFICIENCY = 0.8
 # for every precision and for backward. Not measured on a GPU; on CPU the measured compiled/eager step time
 # of the `small` model is in README (benchmarks/compile_speed.py).
 COMPILED_ELEMENTWISE = 0.5
-# DDP's default gradient bucket (bucket_cap_mb=25): one all-reduce call per bucket.
-DDP_BUCKET_BYTES = 25 * 2**20
 
 # Bytes per value: compute copies (activations, gathered weights) and kept weights/gradients. meshfit's
 # mixed precision keeps fp32 weights and gradients and reduces gradients in fp32; pure bf16 keeps all in bf16.
@@ -105,6 +90,7 @@ class StepTime:
     recompute_s: float  # part of compute_s spent re-running forwards (activation checkpointing)
     elementwise_s: float  # part of compute_s in memory-bound element-wise kernels (0 when measured within it)
     tp_comm_s: float  # exposed tensor-parallel collective time
+    cp_comm_s: float  # exposed context-parallel collective time (keys and values gathered, gradients scattered)
     dp_comm_s: float  # exposed data-parallel (all-reduce / reduce-scatter / all-gather) time
     pp_comm_s: float  # point-to-point activation sends between stages
     bubble_s: float  # pipeline idle time
@@ -157,102 +143,6 @@ def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_c
     return sum(counts[s] for s in worst), 0 in worst, last in worst
 
 
-def _link(cluster: Cluster, stride: int, size: int, op: str) -> tuple[float, float]:
-    """(bytes/s per GPU, latency per hop) of ``op`` over ``size`` ranks ``stride`` apart in rank order: the
-    calibrated rates when the device has a profile, else the datasheet link at COLLECTIVE_BW_EFFICIENCY."""
-    gpu = cluster.gpu
-    if gpu.profile is not None:
-        return gpu.profile.link(size, op)
-    if stride * size > cluster.gpus_per_node:
-        return gpu.inter_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTER_S
-    return gpu.intra_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTRA_S
-
-
-def ring_terms(op: str, n: int) -> tuple[float, int]:
-    """(bytes each rank moves per byte of the buffer, latency hops) of ``op`` as a ring over ``n`` ranks:
-    all-reduce is a reduce-scatter then an all-gather; send/recv is one message (nccl-tests' bus bandwidth
-    uses the same factors, so `meshfit calibrate` reads them back from measured times)."""
-    if op == "send_recv":
-        return 1.0, 1
-    phases = 2 if op == "all_reduce" else 1
-    return phases * (n - 1) / n, phases * (n - 1)
-
-
-def _ring(cluster: Cluster, op: str, stride: int, n: int, nbytes: float, calls: float = 1.0) -> float:
-    """Seconds of ``calls`` ring collectives ``op`` over n ranks ``stride`` apart moving an ``nbytes`` buffer
-    in all."""
-    if n == 1:
-        return 0.0
-    bw, alpha = _link(cluster, stride, n, op)
-    moved, hops = ring_terms(op, n)
-    return moved * nbytes / bw + calls * alpha * hops
-
-
-def _tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: int, cbytes: int,
-             rank: tuple[int, bool, bool]) -> float:
-    """Tensor-parallel collective seconds of one micro-batch on the bottleneck rank."""
-    tp = layout.tp
-    blocks, has_embed, has_head = rank
-    per_block = 6 if layout.activation_checkpointing == "full" else 4  # all-reduce equivalents
-    # Embedding (vocab-parallel rows): one reduction in forward (a reduce-scatter with SP, except GPT's,
-    # whose learned positions are added to the full sequence). Head (vocab-parallel columns): its input
-    # gradient is reduced in backward (with SP the input is gathered in forward and scattered back).
-    embed = 0.5 if layout.sp and model.family == "llama" else 1.0
-    n_ar = blocks * per_block + embed * has_embed + has_head
-    t = n_ar * _ring(cluster, "all_reduce", 1, tp, mb_tokens * model.dim * cbytes)
-    if has_head and not layout.loss_parallel:  # vocab-sharded logits are gathered for the loss
-        t += _ring(cluster, "all_gather", 1, tp, mb_tokens * model.padded_vocab * cbytes)
-    return t
-
-
-def _exposed(comm_s: float, compute_s: float, overlap: float, of_comm: bool) -> float:
-    """Communication seconds left exposed beside ``compute_s``: ``overlap`` is the share of it hidden
-    (``of_comm``: calibrated; on CPU ranks a collective's work takes cycles from the compute beside it), or
-    the share of the compute during which communication runs hidden (DP_OVERLAP, datasheet devices)."""
-    if of_comm:
-        return comm_s - overlap * min(comm_s, compute_s)
-    return max(0.0, comm_s - overlap * compute_s)
-
-
-def _dp_comm(layout: Layout, cluster: Cluster, rank_params: float, blocks: int, m: int, compute_s: float,
-             recompute_s: float, cbytes: int, sbytes: int, overlap: float, of_comm: bool = False
-             ) -> tuple[float, int, int]:
-    """(exposed data-parallel seconds, parameter gathers per step, gradient reductions per step).
-
-    DDP (stage 0) all-reduces the gradients once, during the last micro-batch's backward (no_sync before).
-    FSDP gathers each block's weights in the compute dtype and reduce-scatters its gradients: stage 3
-    gathers for every forward and backward and reduces every micro-batch; stage 2 keeps the gathered
-    weights for the whole step (one gather) and reduces every micro-batch; stage 1 also reduces once per
-    step, in the compute dtype. HSDP all-reduces the reduced shard across replicas; stage-0 replicas (of
-    tensor-parallel weights, or under mixed precision) all-reduce once per step, as DDP does. Under a
-    pipeline schedule torch's stages skip the gradient sync and the post-backward reshard until the step's end, so gradients are reduced once,
-    exposed, and stages 1/2 gather once per step, stage 3 once per warm-up forward (min(p, m)) and once per
-    backward.
-    """
-    tp, shard, replicate = layout.tp, layout.dp_shard, layout.dp_replicate
-    kind = data_parallel_kind(layout.zero_stage, layout.dp, tp, cbytes == 2)
-    if kind in ("none", "ddp"):
-        grads = rank_params * sbytes
-        backward_last = ((compute_s - recompute_s) * 2.0 / 3.0 + recompute_s) / m
-        t = _ring(cluster, "all_reduce", tp, layout.dp, grads, math.ceil(grads / DDP_BUCKET_BYTES))
-        return _exposed(t, backward_last, overlap, of_comm), 0, 0
-    calls = blocks + 1  # one gather/reduction per block plus the root module (embeddings, norm, head)
-    gather = _ring(cluster, "all_gather", tp, shard, rank_params * cbytes, calls) if kind == "fsdp" else 0.0
-    rbytes = cbytes if layout.zero_stage == 1 else sbytes
-    reduce = (_ring(cluster, "reduce_scatter", tp, shard, rank_params * rbytes, calls)
-              + _ring(cluster, "all_reduce", tp * shard, replicate, rank_params * rbytes / shard, calls))
-    if layout.pp == 1:
-        gathers = 2 * m if layout.zero_stage in (0, 3) else 1
-        reductions = 1 if layout.zero_stage <= 1 else m
-        hidden, fixed = gathers * gather + reductions * reduce, 0.0
-    else:
-        gathers, reductions = (m + min(layout.pp, m)) if layout.zero_stage in (0, 3) else 1, 1
-        hidden, fixed = gathers * gather, reduce
-    if kind == "replicas":
-        gathers = 0  # the weights are whole: only compute-dtype casts, no communication
-    return _exposed(hidden, compute_s, overlap, of_comm) + fixed, gathers, reductions
-
-
 @functools.lru_cache(maxsize=256)
 def _traffic(model: ModelConfig, cbytes: int) -> Traffic:
     return elementwise_traffic(model, cbytes)
@@ -286,7 +176,7 @@ def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: flo
     """(sequences per data-parallel rank, micro-batches per step), or ValueError naming the mismatch."""
     if layout.world_size != cluster.world_size:
         raise ValueError(
-            f"layout world size {layout.world_size} ({layout.describe()}: dp_replicate × dp_shard × tp × pp) "
+            f"layout world size {layout.world_size} ({layout.describe()}: dp_replicate × dp_shard × cp × tp × pp) "
             f"differs from the cluster's world size {cluster.world_size} ({cluster.nodes} nodes × "
             f"{cluster.gpus_per_node} {cluster.gpu.name})")
     if workload.precision not in COMPUTE_BYTES or workload.optimizer not in OPTIMIZER_STATES:
@@ -311,7 +201,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     ``efficiency``: achievable fraction of the peak FLOP/s (default EFFICIENCY; 1 with a calibrated device,
     whose rates are measured). ``dp_overlap``: fraction of the compute that hides data-parallel
     communication and offload copies (0 exposes all of it; default DP_OVERLAP). A calibrated device's
-    measured overlap is instead the share of the communication hidden (see `_exposed`).
+    measured overlap is instead the share of the communication hidden (see `comm_time.exposed`).
     The layout and workload are assumed to pass their own ``check()``; raises ValueError when the layout's
     world size differs from the cluster's, when the batch does not split into the layout's micro-batches,
     or when the pipeline has more stages than the model has layers.
@@ -369,7 +259,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         # Per block and micro-batch; a re-run forward adds its share as it does of the FLOPs (a third).
         tp_fixed_s = tp_rate[1] * blocks * m
         tp_redo_s = tp_fixed_s * rerun / 3.0
-    tokens = local * s  # tokens of this rank's sequences per step
+    tokens = local * s // layout.cp  # tokens of this rank's sequences per step (its part of each under cp)
 
     def seconds(flops: float, core: float) -> float:  # matmul FLOPs (attention core included) per token
         return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
@@ -378,14 +268,20 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
     recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s
 
-    mb_tokens = layout.micro_batch * s
+    mb_tokens = layout.micro_batch * s // layout.cp
     tp_comm_s = 0.0
     if tp > 1 and tp_rate is None:
-        tp_comm_s = m * _tp_comm(model, layout, cluster, mb_tokens, cbytes, rank)
+        tp_comm_s = m * tp_comm(model, layout, cluster, mb_tokens, cbytes, rank)
+    # The cp group re-gathers keys and values wherever a block's forward is re-run, and under the "op" and
+    # "attention" policies, which recompute the gathered keys and values rather than keep them.
+    regather = 1.0 if ac in ("op", "attention") else rerun
+    kv_bytes = gathered_kv_bytes(model, mode="fp32" if cbytes == 4 else "bf16", seq=s, batch=layout.micro_batch,
+                                 tp=tp)
+    cp_comm_s = m * cp_comm(layout, cluster, kv_bytes, blocks, regather)
     rank_params = n_params / (tp * pp)
     # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
-    dp_comm_s, gathers, reductions = _dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
-                                              cbytes, sbytes, dp_overlap, of_comm)
+    dp_comm_s, gathers, reductions = dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
+                                             cbytes, sbytes, dp_overlap, of_comm)
 
     bubble_s = pp_comm_s = 0.0
     if pp > 1:
@@ -395,27 +291,27 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         bubble_s = factor * (compute_s + tp_comm_s)
         # Each micro-batch's activation goes forward and its gradient back across each of the rank's
         # stages; with SP the residual stream between blocks is sequence-sharded.
-        bw, alpha = _link(cluster, tp * layout.dp, pp, "send_recv")
+        bw, alpha = link(cluster, tp * layout.cp * layout.dp, pp, "send_recv")
         send = mb_tokens * model.dim * cbytes / (tp if layout.sp else 1)
         pp_comm_s = 2 * m * virtual * (alpha + send / bw)
 
-    # Optimizer step over the rank's share (ZeRO ≥ 1 updates 1/dp_shard), memory-bound; with offload it
+    # Optimizer step over the rank's share (ZeRO ≥ 1 updates 1/(dp_shard × cp)), memory-bound; with offload it
     # runs on the host and the sharded weights/gradients cross PCIe once per gather/reduction.
-    owned = rank_params / (layout.dp_shard if layout.zero_stage >= 1 else 1)
+    owned = rank_params / (layout.shard if layout.zero_stage >= 1 else 1)
     step_bytes = 2.0 * owned * sbytes * (2 + OPTIMIZER_STATES[workload.optimizer])  # weights, grads, states
     offload_s = 0.0
     if layout.offload:
         # FSDP copies the shard to the device in its kept dtype and casts there.
         copies = (gathers + reductions) * owned * sbytes / PCIE_BYTES_PER_S
-        offload_s = _exposed(copies, compute_s, dp_overlap, of_comm) + step_bytes / HOST_MEM_BYTES_PER_S
+        offload_s = exposed(copies, compute_s, dp_overlap, of_comm) + step_bytes / HOST_MEM_BYTES_PER_S
         optimizer_s = 0.0
     else:
         bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
         optimizer_s = step_bytes / bandwidth
 
-    total = compute_s + tp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
+    total = compute_s + tp_comm_s + cp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
     tokens_per_s = workload.tokens / total
     return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s,
-                    dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s, offload_s=offload_s,
-                    optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
+                    cp_comm_s=cp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s,
+                    offload_s=offload_s, optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
                     mfu=tokens_per_s * fpt / (layout.world_size * peak))
