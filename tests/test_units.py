@@ -1,5 +1,7 @@
 """FSDP units bounded by parallel.max_unit_params, and parallel.reduce_dtype."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,6 +10,9 @@ from meshfit.config import load_config
 from meshfit.models import build_model
 from meshfit.parallel.data_parallel import precision_policy
 from meshfit.parallel.units import sub_units, unit_sizes
+from meshfit.planner.estimate import estimate_memory
+from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.verify import verify_layout
 from meshfit.testing import run_ranks
 
 
@@ -60,3 +65,35 @@ def test_reducing_in_bf16_trains_within_bf16_rounding_of_fp32():
     runs = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.mixed_precision=true",
                                                  "parallel.reduce_dtype=compute"))
     assert _delta(runs[0], ref) <= 2e-3
+
+
+def _wide_gpt(layers: int):
+    # Hidden 16,384, 96 layers ≈ 310B parameters; fewer layers keep the dry run short (the working set is
+    # per block).
+    return load_config(None, ["model.preset=gpt3-175b", "model.dim=16384", f"model.n_layers={layers}",
+                              "model.n_heads=128", "model.n_kv_heads=128", "model.ffn_hidden=65536"]).model.resolve()
+
+
+WIDE = Workload(seq_len=2048, global_batch=1024, precision="mixed")
+WIDE_LAYOUT = Layout(dp_shard=512, zero_stage=3, activation_checkpointing="full", micro_batch=2)
+
+
+def test_the_plan_bounds_zero3s_working_set_by_the_unit_and_the_reduce_dtype():
+    model = _wide_gpt(96)
+
+    def working(layout):  # gathered weights and unreduced gradients beyond the rank's shards at rest
+        m = estimate_memory(model, layout, WIDE)
+        return m.params + m.grads - m.rest[0] - m.rest[1]
+
+    whole = working(dataclasses.replace(WIDE_LAYOUT, max_unit_params=10**12))
+    units = working(WIDE_LAYOUT)
+    low = working(dataclasses.replace(WIDE_LAYOUT, reduce_dtype="compute"))
+    assert whole > 30 * 2**30 and units < 12 * 2**30 and low < 8 * 2**30
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "compute"])
+def test_the_split_blocks_plan_agrees_with_the_dry_run(reduce_dtype):
+    model, layout = _wide_gpt(4), dataclasses.replace(WIDE_LAYOUT, reduce_dtype=reduce_dtype)
+    measured = verify_layout(model, layout, WIDE).measured["total"]
+    assert estimate_memory(model, layout, WIDE).total == pytest.approx(measured, rel=0.05)

@@ -17,7 +17,7 @@ adds it when it compares the total with a device (see :func:`usable_bytes`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
@@ -25,6 +25,7 @@ from meshfit.planner.activations import block_weight_params, head_bytes, layout_
 from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background, stashes_gradients
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
+from meshfit.parallel.units import DEFAULT_MAX_UNIT_PARAMS, sub_units, unit_sizes
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
@@ -75,7 +76,8 @@ class _Share:
     """One pipeline rank's slice of the model (after tensor parallelism, before data-parallel sharding)."""
 
     params: float  # every parameter this rank holds
-    block_params: float  # one transformer block's parameters (an FSDP unit)
+    block_params: float  # one transformer block's parameters
+    unit_params: float  # the largest FSDP unit of a block (the block, or a part of it: parallel/units.py)
     root_params: float  # embeddings, final norm and head (the root FSDP unit)
     layers: int  # transformer blocks on this rank
     stages: int  # stages on this rank (virtual pipeline stages)
@@ -89,8 +91,19 @@ def _block_params(model: ModelConfig, tp: int) -> float:
     return block_weight_params(model) / tp + norms + biases
 
 
+@lru_cache(maxsize=256)
+def _largest_unit(model: ModelConfig, max_unit_params: int) -> int | None:
+    """The largest FSDP unit of one of `model`'s blocks, in parameters before tensor parallelism, from a
+    block built on the meta device and split by the trainer's own rule; None when blocks are not split."""
+    from meshfit.models import build_model  # a one-block model on meta: no memory, no initialization
+
+    block = build_model(replace(model, n_layers=1), "meta").layers["0"]
+    return max(unit_sizes(block, max_unit_params)) if sub_units(block, max_unit_params) else None
+
+
 @lru_cache(maxsize=4096)
-def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shape: bool) -> tuple[_Share, ...]:
+def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shape: bool,
+            max_unit_params: int = DEFAULT_MAX_UNIT_PARAMS) -> tuple[_Share, ...]:
     n_stages = pp * virtual
     counts = balanced_split(model.n_layers, n_stages, layer_flops(model, seq), head_flops(model)) \
         if n_stages > 1 else [model.n_layers]
@@ -98,13 +111,16 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
     head = 0 if (model.tie_embeddings and n_stages == 1) else model.padded_vocab * model.dim / tp
     final_norm = model.dim if model.family == "llama" else 2 * model.dim
     block = _block_params(model, tp)
+    # A split block's units are projections or attention: tensor parallelism divides them.
+    largest = _largest_unit(model, max_unit_params)
+    unit = block if largest is None else min(block, largest / tp)
     shares = []
     for rank in range(pp):
         ids = [rank, 2 * pp - 1 - rank] if v_shape else [rank + k * pp for k in range(virtual)]
         layers = sum(counts[i] for i in ids)
         first, last = 0 in ids, n_stages - 1 in ids
         root = (embed if first else 0) + ((head + final_norm) if last else 0)
-        shares.append(_Share(layers * block + root, block, root, layers, len(ids), first, last))
+        shares.append(_Share(layers * block + root, block, unit, root, layers, len(ids), first, last))
     return tuple(shares)
 
 
@@ -121,10 +137,10 @@ def _mode(workload: Workload) -> str:
 def _reduce_bytes(workload: Workload, layout: Layout, c_bytes: int) -> int:
     """Bytes per element of FSDP's unsharded gradients accumulated without a reduction.
 
-    Mixed precision reduces in fp32 at stages 2 and 3 (so unsynchronised gradients are kept in fp32), and
-    in the 16-bit compute dtype at stage 1 (see parallel/data_parallel.py).
+    Mixed precision reduces in fp32 at stages 2 and 3 (so unsynchronised gradients are kept in fp32) unless
+    `reduce_dtype` is "compute", and in the 16-bit compute dtype at stage 1 (see parallel/data_parallel.py).
     """
-    if workload.precision == "mixed" and layout.zero_stage != 1:
+    if workload.precision == "mixed" and layout.zero_stage != 1 and layout.reduce_dtype == "fp32":
         return 4
     return c_bytes
 
@@ -214,22 +230,33 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             grads_loss += model.padded_vocab * model.dim / layout.tp * g_bytes
     grads_loss = max(grads_loss, st.at_rest_grads)
     gathered = gathered_loss = unit_grads = working = 0.0
+    with_grads: float | None = None  # gathered while a unit's gradients exist, when it differs
     if fsdp:
         # The root unit stays gathered through forward and backward. Stage 3 holds the current block and
         # the prefetched next one; stages 1 and 2 keep every block from its forward to its backward. In
         # backward a block's unsharded gradients exist until reduce-scattered.
-        # Replicas of tensor-parallel weights hold one gathered copy of a block at a time (measured).
-        blocks = share.layers if keep else min(1 if kind == "replicas" else 2, share.layers)
-        gathered = (share.root_params + blocks * share.block_params) * c_bytes
-        # At the loss stage 3 holds the root and at most one block (the last one is re-sharded after its
+        # Replicas of tensor-parallel weights hold one gathered copy of a block at a time (measured). Stage
+        # 3 gathers unit by unit: a block, or its parts when it is split (parallel/units.py).
+        unit = share.unit_params
+        live = min(1 if kind == "replicas" else 2, share.layers)
+        gathered = (share.root_params + (share.layers * share.block_params if keep else live * unit)) * c_bytes
+        # At the loss stage 3 holds the root and at most one unit (the last one is re-sharded after its
         # forward; backward gathers it again).
-        gathered_loss = (share.root_params + (blocks if keep else 1) * share.block_params) * c_bytes
-        unit_grads = share.block_params * c_bytes
+        gathered_loss = (share.root_params + (share.layers * share.block_params if keep else unit)) * c_bytes
+        unit_grads = unit * c_bytes
+        r_bytes = _reduce_bytes(workload, layout, c_bytes)
+        if unit < share.block_params and not keep and layout.activation_checkpointing in ("full", "op", "selective"):
+            # A recomputed block runs its forward again inside backward, and FSDP2 does not re-shard units
+            # gathered then (their backward follows): the whole block is gathered until its last unit's
+            # gradients exist, which FSDP2 re-shards before reducing them (measured with the dry run).
+            gathered = (share.root_params + share.block_params) * c_bytes
+            with_grads = gathered - unit * c_bytes
         if mode == "bf16":
             # Measured with 16-bit compute: either the last block's backward starts (gradient temporaries
             # about the size of its h-wide activations, no gradients yet) or its 16-bit gradients exist next
-            # to their fp32 copy for the reduce-scatter; the larger of the two is the peak.
-            unit_grads = share.block_params * (4 + c_bytes)
+            # to their fp32 copy for the reduce-scatter; the larger of the two is the peak. Reduced in the
+            # compute dtype there is no copy.
+            unit_grads = unit * (r_bytes + c_bytes if r_bytes != c_bytes else c_bytes)
             working = tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
         if accumulated:
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
@@ -237,8 +264,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             # precision), a block's new gradients and their upcast copy (measured with torch's tracker).
             unit_grads = 0.0
             head_weight = model.padded_vocab * model.dim / layout.tp if share.last else share.block_params
-            r_bytes = _reduce_bytes(workload, layout, c_bytes)
-            upcast = share.block_params * (c_bytes + r_bytes) if r_bytes != c_bytes else 0.0
+            upcast = share.unit_params * (c_bytes + r_bytes) if r_bytes != c_bytes else 0.0
             working = max(working, head_weight * c_bytes, upcast)
         if layout.pp > 1:
             # torch's PipelineStage defers FSDP's gradient reduce-scatter and re-sharding to the end of the
@@ -251,11 +277,11 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     # NCCL holds 2 + 4). In the background (not in the micro-batches ZeRO-2's stash takes) a later
     # micro-batch's block shard waits next to the earlier gradients. Measured with the tracker.
     background = reduces_in_background(stage, ds, layout.dp_replicate > 1, workload.precision == "mixed",
-                                       layout.pp > 1, backend)
+                                       layout.pp > 1, backend, layout.reduce_dtype)
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
-    pending = (share.block_params * r_bytes / ds
+    pending = (share.unit_params * r_bytes / ds
                if background and stage >= 2 and micro > 1 and not stash and share.layers > 1 else 0.0)
-    gloo_copy = (share.block_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
+    gloo_copy = (share.unit_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
                  if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 else 0.0)
     # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
     # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
@@ -265,7 +291,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     block_acts = acts - head + (last_loss if share.last else 0.0)
     # Stage 3: the all-gather buffer of the next block, and without mixed precision the root's all-gather
     # output next to its unsharded parameters at the end of the forward (measured).
-    spare = share.block_params * c_bytes if fsdp and not keep and gathered else 0.0
+    spare = share.unit_params * c_bytes if fsdp and not keep and gathered else 0.0
     root_copy = share.root_params * c_bytes if spare and c_bytes == 4 else 0.0
     phases = {
         # Stage 3 (and stage-0 replicas) re-shard the root too once the model's forward returns, before
@@ -278,10 +304,12 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         "backward": (params + gathered,
                      # With every other block checkpointed the recompute of the last block comes before
                      # any block gradient (measured); with all blocks checkpointed they overlap.
-                     grads_loss + (0.0 if layout.activation_checkpointing == "selective" or working else unit_grads),
+                     grads_loss + (0.0 if layout.activation_checkpointing == "selective" or working
+                                   or with_grads is not None else unit_grads),
                      optim, block_acts + recompute + working, buckets),
         # ... and once its gradients exist, most of the last block's activations are freed.
-        "block gradients": (params + gathered, grads_loss + unit_grads + pending, optim,
+        "block gradients": (params + (gathered if with_grads is None else with_grads),
+                            grads_loss + unit_grads + pending, optim,
                             block_acts + recompute - act_mb / max(1, share.layers) + gloo_copy, buckets),
         "backward end": (params + (share.root_params * c_bytes if fsdp else 0), grads_full + stash, optim, 0.0,
                          buckets),
@@ -293,7 +321,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # folded into activations as the tracker does). Measured, the peak comes before the next block's
         # gradients exist; at stage 1 (last micro-batch) the input replaced the block's gradients, its
         # shard is new and its activations are gone (2-rank `small`: +1.4 to +3.4% over real peaks).
-        reducing = share.block_params * r_bytes * (2 if stage >= 2 else 1 + 1 / ds)
+        reducing = share.unit_params * r_bytes * (2 if stage >= 2 else 1 + 1 / ds)
         gone = act_mb / share.layers if stage == 1 else 0.0
         phases["reduce in flight"] = (params + gathered, grads_loss + pending, optim,
                                       block_acts + recompute + working - gone + reducing, buckets)
@@ -356,4 +384,4 @@ def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, back
 def _layout_shares(model: ModelConfig, layout: Layout, workload: Workload) -> tuple[_Share, ...]:
     v_shape = v_shaped(layout.schedule) and layout.pp > 1
     virtual = layout.virtual_stages if layout.pp > 1 else 1
-    return _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape)
+    return _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape, layout.max_unit_params)

@@ -17,6 +17,7 @@ from meshfit.names import did_you_mean
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.rules import default_zero_stage, layout_error
 from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages
+from meshfit.parallel.units import DEFAULT_MAX_UNIT_PARAMS
 from meshfit.planner.precision import OPTIMIZERS, PRECISIONS
 
 
@@ -44,6 +45,8 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batch: int = 1
+    reduce_dtype: str = "fp32"  # mixed precision, stages 2/3: "fp32", or "compute" (bf16), as the config
+    max_unit_params: int = DEFAULT_MAX_UNIT_PARAMS  # FSDP units: a larger block is split (parallel/units.py)
 
     @property
     def dp(self) -> int:
@@ -61,12 +64,14 @@ class Layout:
 
     def check(self) -> None:
         """Raise ValueError naming the field when the layout cannot run (independent of the model)."""
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages", "micro_batch"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages", "micro_batch", "max_unit_params"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"layout {name}={value!r} must be a positive integer")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"layout zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.reduce_dtype not in ("fp32", "compute"):
+            raise ValueError(f"layout reduce_dtype={self.reduce_dtype!r}; valid: fp32, compute")
         if self.activation_checkpointing not in AC_MODES:
             raise ValueError(f"layout activation_checkpointing={self.activation_checkpointing!r}; "
                              f"valid: {', '.join(AC_MODES)}")
@@ -98,6 +103,8 @@ class Layout:
             parts.append(f"pp={self.pp} {self.schedule}{v}")
         if self.offload:
             parts.append("offload")
+        if self.reduce_dtype != "fp32":
+            parts.append(f"reduce={self.reduce_dtype}")
         if self.activation_checkpointing != "none":
             parts.append(f"ac={self.activation_checkpointing}")
         parts.append(f"mb={self.micro_batch}")
@@ -120,7 +127,8 @@ class Layout:
         """The config sections (typed values, the trainer's own field names) that make `meshfit train` run
         exactly this layout."""
         parallel = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage",
-                                                  "offload", "sp", "loss_parallel", "activation_checkpointing")}
+                                                  "offload", "sp", "loss_parallel", "activation_checkpointing",
+                                                  "reduce_dtype", "max_unit_params")}
         if self.pp > 1:
             local = global_batch // self.dp
             pipeline = {"schedule": self.schedule, "virtual_stages": self.virtual_stages,
