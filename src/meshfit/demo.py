@@ -74,9 +74,19 @@ class Trial:
     @property
     def sections(self) -> dict[str, dict[str, Any]]:
         sections = self.layout.config_sections(self.global_batch)
-        sections["train"].update(global_batch=self.global_batch, seq_len=self.seq_len)
-        sections["model"] = {"max_seq_len": max(self.seq_len, demo_config().model.resolve().max_seq_len)}
+        sections["train"]["global_batch"] = self.global_batch
         return sections
+
+    @property
+    def overrides(self) -> list[str]:
+        """On top of the demo's own settings (which a config section would not override)."""
+        if self.seq_len == DEMO_SEQ_LEN:
+            return []
+        return [f"train.seq_len={self.seq_len}",
+                f"model.max_seq_len={max(self.seq_len, demo_config().model.resolve().max_seq_len)}"]
+
+    def config(self, *overrides: str) -> Config:
+        return demo_config(*self.overrides, *overrides, sections=self.sections)
 
     @property
     def nproc(self) -> int:
@@ -113,7 +123,7 @@ def demo_config(*overrides: str, sections: dict[str, dict[str, Any]] | None = No
 
 def predict(trial: Trial) -> MemoryEstimate:
     """The planner's per-rank peak for a demo layout: CPU ranks (gloo), fp32, as `meshfit plan --gpu cpu`."""
-    model = demo_config(sections=trial.sections).model.resolve()
+    model = trial.config().model.resolve()
     workload = Workload(seq_len=trial.seq_len, global_batch=trial.global_batch, precision="fp32")
     return estimate_memory(model, trial.layout, workload, backend="gloo")
 
@@ -208,10 +218,10 @@ def _launch(cfg: Config, run_dir: Path, nproc: int) -> Outcome:
 
 
 def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
-    sections, nproc, estimate = trial.sections, trial.nproc, predict(trial)
+    nproc, estimate = trial.nproc, predict(trial)
     start = time.monotonic()
     console.print(f"[bold]{trial.name}[/bold] ({nproc} ranks): {trial.why}")
-    outcome = _launch(demo_config(f"train.memory_budget={budget}", sections=sections), root / trial.name, nproc)
+    outcome = _launch(trial.config(f"train.memory_budget={budget}"), root / trial.name, nproc)
     if outcome.ok:
         res = outcome.result
         peak, mem = _peak_step(root / trial.name, res)
@@ -221,7 +231,7 @@ def _run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry
     console.print(f"  [red]{label}[/red]: {failure_line(outcome)}")
     console.print(f"  measuring what it needs: {PROBE_STEPS} steps without the budget")
     probe_dir = root / f"{trial.name}-unbounded"
-    probe = _launch(demo_config(f"train.steps={PROBE_STEPS}", sections=sections), probe_dir, nproc)
+    probe = _launch(trial.config(f"train.steps={PROBE_STEPS}"), probe_dir, nproc)
     peak, mem = _peak_step(probe_dir, probe.result) if probe.ok else (None, [])
     error = outcome.message
     if not probe.ok:
