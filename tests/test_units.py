@@ -48,23 +48,17 @@ def _delta(a, b):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_units_smaller_than_a_block_train_as_one_process():
-    ref = run_ranks(train_job, 1, parity_config())[0]
+@pytest.mark.parametrize("overrides, tolerance", [
     # 20,000: tiny's attention (16K) is one unit, its MLP (24.6K) splits into its three projections.
-    runs = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.max_unit_params=20000",
-                                                 "parallel.activation_checkpointing=full"))
-    assert _delta(runs[0], ref) <= 1e-5
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(300)
-def test_reducing_in_bf16_trains_within_bf16_rounding_of_fp32():
+    (["parallel.max_unit_params=20000", "parallel.activation_checkpointing=full"], 1e-5),
     # The reduced bf16 shard is cast into the fp32 gradient after the reduce-scatter: the background
     # reduce on CPU ranks must wait for it (before, step 1 read an unfinished shard and stopped on NaN).
+    (["parallel.mixed_precision=true", "parallel.reduce_dtype=compute"], 2e-3),
+], ids=["units-smaller-than-a-block", "reduce-in-bf16"])
+def test_zero3_trains_as_one_process(overrides, tolerance):
     ref = run_ranks(train_job, 1, parity_config())[0]
-    runs = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", "parallel.mixed_precision=true",
-                                                 "parallel.reduce_dtype=compute"))
-    assert _delta(runs[0], ref) <= 2e-3
+    runs = run_ranks(train_job, 2, parity_config("parallel.dp_shard=2", *overrides))
+    assert _delta(runs[0], ref) <= tolerance
 
 
 def _wide_gpt(layers: int):
