@@ -103,6 +103,11 @@ class LeanStage(PipelineStage):
         finally:
             if not self.is_last and bwd_chunk_id in self.grad_recv_info:
                 self._release(self.grad_recv_info[bwd_chunk_id])
+            loss = kwargs.get("loss")
+            if self.is_last and self.has_backward and isinstance(loss, torch.Tensor) and not loss._is_view():
+                # The schedule keeps every micro-batch's loss to the end of the step; its spent graph
+                # (AccumulateGrad nodes) would keep the received input alive with it.
+                loss.detach_()
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any):
         self._reached("W", bwd_chunk_id)
