@@ -11,7 +11,7 @@ at the phase with the largest total:
 
 Components (bytes), as the memory tracker folds them: ``params`` (resident weights plus gathered copies),
 ``grads`` (plus reduce-scatter buffers), ``optim``, ``activations`` (saved tensors, logits, temporaries) and
-``buffers`` (module buffers, pipeline send/receive buffers). Allocator headroom is not a tensor: the planner
+``buffers`` (module buffers: the RoPE tables). Allocator headroom is not a tensor: the planner
 adds it when it compares the total with a device (see :func:`usable_bytes`).
 """
 
