@@ -21,6 +21,7 @@ piece is not installed and torch's own behaviour remains.
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections import defaultdict
 from typing import Any
@@ -47,14 +48,20 @@ class LeanStage(PipelineStage):
         self.send_waits: SendWaits | None = None  # set by SendWaits.install
 
     # -- receive buffers: placeholders between uses ------------------------------------------------
+    @staticmethod
+    def _buffers(infos):
+        """The receive entries that hold a buffer (torch versions differ in how root inputs are marked)."""
+        return [info for info in infos if not getattr(info, "is_root_arg", False)
+                and isinstance(getattr(info, "buffer", None), torch.Tensor)]
+
     def _release(self, infos) -> None:
-        for info in infos:
-            if not info.is_root_arg and info.buffer is not None and info.buffer.device.type != "meta":
+        for info in self._buffers(infos):
+            if info.buffer.device.type != "meta":
                 info.buffer = _placeholder(info.buffer)
 
     def _allocate(self, infos) -> None:
-        for info in infos:
-            if not info.is_root_arg and info.buffer is not None and info.buffer.device.type == "meta":
+        for info in self._buffers(infos):
+            if info.buffer.device.type == "meta":
                 info.buffer = torch.empty_like(info.buffer, device=self.device)
 
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
@@ -184,18 +191,19 @@ def wait_points(order: dict[int, list], rank: int) -> dict[tuple[int, str, int],
     if any(pos[r] < len(order[r]) for r in ranks):
         raise ValueError("pipeline action lists do not complete: unmatched send or receive")
     points: dict[tuple[int, str, int], list[tuple[str, int, int]]] = defaultdict(list)
+    positions = [position for position, _, _ in mine]
     for i, a in enumerate(order[rank]):
         name = a.computation_type.name
         if name not in ("SEND_F", "SEND_B"):
             continue
         peer_stage = a.stage_index + (1 if name == "SEND_F" else -1)
         recv = ("RECV_F" if name == "SEND_F" else "RECV_B", peer_stage, a.microbatch_index)
-        peer = where[recv]
-        posted = index[peer][recv]
-        for position, computation, seen in mine:
-            if position > i and seen[ranks.index(peer)] >= posted:
-                points[computation].append((name, a.stage_index, a.microbatch_index))
-                break
+        peer, posted = ranks.index(where[recv]), index[where[recv]][recv]
+        # Clocks only grow along the rank's computations: the first one that has seen the receive posted.
+        first = bisect.bisect_right(positions, i)
+        at = first + bisect.bisect_left([seen[peer] for _, _, seen in mine[first:]], posted)
+        if at < len(mine):
+            points[mine[at][1]].append((name, a.stage_index, a.microbatch_index))
     return dict(points)
 
 
