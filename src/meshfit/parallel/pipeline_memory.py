@@ -29,10 +29,23 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage
 
+from torch.distributed.pipelining import schedules as _schedules
+
 try:  # private in torch; without it sends are left to torch
     from torch.distributed.pipelining.schedules import _batch_p2p, _ComputationType
 except ImportError:  # pragma: no cover - depends on the torch version
     _batch_p2p = _ComputationType = None
+
+
+def _wait(works: list) -> None:
+    """Wait as torch's schedules wait for their transfers (looked up at call time, so that timing or
+    tracing torch's waits sees these too)."""
+    wait = getattr(_schedules, "_wait_batch_p2p", None)
+    if wait is not None:
+        wait(works)
+    else:  # pragma: no cover - depends on the torch version
+        for work in works:
+            work.wait()
 
 
 def _placeholder(buffer: torch.Tensor) -> torch.Tensor:
@@ -244,13 +257,12 @@ class SendWaits:
         if self._points is None:  # the action lists are final once the schedule runs
             self._points = wait_points(self.schedule.pipeline_order_with_comms, self.rank)
         for key in self._points.get((stage, kind, mb), ()):
-            for work in self.pending.pop(key, ()):
-                work.wait()
+            _wait(self.pending.pop(key, []))
 
     def drain(self, failed: bool = False) -> None:
         """Wait for the step's remaining sends (torch's runtime does this at the end of every step); after a
         failed step forget them (a peer may never receive them)."""
         while self.pending:
             works = self.pending.popitem()[1]
-            for work in works if not failed else ():
-                work.wait()
+            if not failed:
+                _wait(works)
