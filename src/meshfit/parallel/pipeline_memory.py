@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch.distributed.pipelining import PipelineStage
-
 from torch.distributed.pipelining import schedules as _schedules
 
 try:  # private in torch; without it sends are left to torch
