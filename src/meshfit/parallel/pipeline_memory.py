@@ -244,7 +244,7 @@ class SendWaits:
             stage.send_waits = waits
         return waits
 
-    def _send(self, action, ctx) -> None:
+    def _send(self, action, ctx: Any = None) -> None:
         stage = self.stages[action.stage_index]
         name = action.computation_type.name
         ops = (stage.get_fwd_send_ops if name == "SEND_F" else stage.get_bwd_send_ops)(action.microbatch_index)
