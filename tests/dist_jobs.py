@@ -168,3 +168,12 @@ def ddp_buffers_job() -> dict[str, Any]:
     model.module.table.fill_(float(dist.get_rank()))
     model(torch.ones(2, 4)).sum().backward()
     return {"warnings": [str(w.message) for w in caught], "buffer": model.module.table.tolist()}
+
+
+def peaks_job(cfg_dicts: list[dict[str, Any]]) -> list[int]:
+    """Train each config in turn on these ranks; every run's peak (bytes, most-loaded rank)."""
+    peaks = []
+    for cfg_dict in cfg_dicts:
+        cfg = config_from_dict(cfg_dict)
+        peaks.append(train(cfg, init_distributed(cfg.train.device), None)["peak_mem_bytes"])
+    return peaks

@@ -39,6 +39,10 @@ KINDS = {
     "fsdp-tp": (Layout(dp_shard=4, tp=2, zero_stage=3, sp=True, loss_parallel=True), MIXED),
     "pp-1f1b": (Layout(pp=2, schedule="1f1b"), FP32_4),
     "pp-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="1f1b"), MIXED_4),
+    # Pipelines at m = p, 4p and 16p micro-batches (their peak no longer grows with m past the warm-up).
+    "pp-1f1b-p": (Layout(pp=2, schedule="1f1b", micro_batch=2), FP32_4),
+    "pp-interleaved-4p": (Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=2), FP32),
+    "pp-1f1b-16p": (Layout(pp=2, schedule="1f1b"), dataclasses.replace(FP32, global_batch=32)),
     # Mixed precision without sharding (one rank: tests/test_verify.py): 16-bit activations too.
     "ddp-mixed": (Layout(dp_replicate=4), MIXED),
     "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED_4),

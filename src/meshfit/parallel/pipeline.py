@@ -15,6 +15,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from meshfit.models import ModelConfig
+from meshfit.parallel.pipeline_memory import LeanStage, SendWaits
 from meshfit.parallel.schedules import SCHEDULES
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 
@@ -62,12 +63,18 @@ def cut_stage(model: nn.Module, layer_ids: tuple[int, ...], first: bool, last: b
     return model
 
 
-def build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn) -> object:
-    """The torch schedule; gradients are scaled by 1/microbatches so they equal a full-batch mean."""
+def build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn
+                   ) -> tuple[object, SendWaits | None]:
+    """The torch schedule (gradients are scaled by 1/microbatches so they equal a full-batch mean) and, for
+    multi-stage schedules, what waits for its sends as early as is safe (see pipeline_memory; the caller
+    drains it after every step)."""
     cls = get_schedule_class(SCHEDULES[name][0])
     multi = SCHEDULES[name][1] != 1
-    return cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    schedule = cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    # Single-stage 1F1B already waits for each send before the next one; GPipe keeps every micro-batch anyway.
+    return schedule, (SendWaits.install(schedule, stages) if multi else None)
 
 
 def make_stage(module: nn.Module, stage_id: int, n_stages: int, device: torch.device, group) -> PipelineStage:
-    return PipelineStage(module, stage_id, n_stages, device, group=group)
+    """A stage whose receive buffers exist only while their micro-batch needs them (pipeline_memory)."""
+    return LeanStage(module, stage_id, n_stages, device, group=group)

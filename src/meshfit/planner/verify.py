@@ -105,7 +105,7 @@ def verify_layout(model: ModelConfig | str, layout: Layout, workload: Workload, 
 
     `measured` is the step peak of the tracker used in training, folded like `fold_snapshot`: params
     (sharded and gathered), grads (with reduce-scatter buffers), optim, activations (with temporaries and
-    inputs), buffers (the fold's `other`: RoPE tables, DDP buckets, pipeline receive buffers) and total
+    inputs), buffers (the fold's `other`: RoPE tables, DDP buckets) and total
     (the tally at the peak). It is the highest peak of steps 2..steps, with that step's breakdown (the
     latest step on ties): step 1 has no optimizer states yet during backward. With steps=1 it is step 1.
     DDP re-creates its gradient buckets in step 2, where the tracker counts the new ones as activations;

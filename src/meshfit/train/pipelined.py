@@ -19,6 +19,7 @@ from meshfit.models import ModelConfig, build_model
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.parallelize import parallelize
 from meshfit.parallel.pipeline import build_schedule, cut_stage, make_stage
+from meshfit.parallel.pipeline_memory import SendWaits
 from meshfit.train.loss import lm_loss
 from meshfit.train.shape import RunShape
 
@@ -29,6 +30,7 @@ class Pipe:
     stage_ids: list[int]
     first: bool  # this rank runs stage 0 (it feeds the inputs)
     last: bool  # this rank runs the last stage (it computes the loss)
+    sends: SendWaits | None = None  # sends the schedule left to meshfit to wait for
 
 
 def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig, device: torch.device,
@@ -51,8 +53,8 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
     stages = [make_stage(m, sid, plan.n_stages, device, group) for m, sid in zip(modules, ids, strict=True)]
     # The mean loss of one micro-batch (the schedule scales gradients by 1/micro-batches).
     loss_fn = functools.partial(lm_loss, vocab_size=model_cfg.vocab_size)
-    schedule = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, loss_fn)
-    return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids)
+    schedule, sends = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, loss_fn)
+    return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids, sends)
 
 
 def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
@@ -68,7 +70,14 @@ def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, devic
         # Only the losses are used: without this the last stage keeps every micro-batch's logits.
         kwargs["return_outputs"] = False
     with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-        (pipe.schedule.eval if forward_only else pipe.schedule.step)(*args, **kwargs)
+        try:
+            (pipe.schedule.eval if forward_only else pipe.schedule.step)(*args, **kwargs)
+        except BaseException:
+            if pipe.sends is not None:
+                pipe.sends.drain(failed=True)
+            raise
+        if pipe.sends is not None:
+            pipe.sends.drain()
     if not pipe.last:
         return torch.zeros((), device=device)
     parts = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
