@@ -91,3 +91,34 @@ def test_the_split_blocks_plan_agrees_with_the_dry_run(reduce_dtype):
     model, layout = _wide_gpt(4), dataclasses.replace(WIDE_LAYOUT, reduce_dtype=reduce_dtype)
     measured = verify_layout(model, layout, WIDE).measured["total"]
     assert estimate_memory(model, layout, WIDE).total == pytest.approx(measured, rel=0.05)
+
+
+def test_explain_says_what_units_and_the_reduce_dtype_are_worth():
+    from meshfit.planner.explain import explain
+    from meshfit.planner.hardware import Cluster, get_gpu
+    from meshfit.planner.search import Plan, evaluate
+
+    model, cluster = _wide_gpt(96), Cluster(get_gpu("A100-80GB"), nodes=64, gpus_per_node=8)
+    plan = Plan(model=model, model_name="wide", workload=WIDE, cluster=cluster,
+                candidates=[evaluate(model, WIDE_LAYOUT, WIDE, cluster)])
+    text = " ".join(explain(plan).split())
+    assert "ZeRO-3 gathers units of at most 1,000,000,000 parameters" in text
+    assert "one unit per block would need 55.1 GiB" in text
+    assert "parallel.reduce_dtype=compute" in text
+
+
+def test_explain_shows_a_pipelines_peak_does_not_follow_the_micro_batch_count():
+    import re
+
+    from meshfit.models import get_preset
+    from meshfit.planner.explain import explain
+    from meshfit.planner.hardware import Cluster, get_gpu
+    from meshfit.planner.search import Plan, evaluate
+
+    model, cluster = get_preset("llama3-70b"), Cluster(get_gpu("H100-SXM"), nodes=8, gpus_per_node=8)
+    work = Workload(seq_len=4096, global_batch=128, precision="mixed")
+    layout = Layout(tp=8, pp=8, sp=True, loss_parallel=True, activation_checkpointing="full", micro_batch=1)
+    plan = Plan(model=model, model_name="70b", workload=work, cluster=cluster,
+                candidates=[evaluate(model, layout, work, cluster)])
+    found = re.search(r"4× the global batch: ([\d.]+ GiB) per rank, against ([\d.]+ GiB)", " ".join(explain(plan).split()))
+    assert found and found.group(1) == found.group(2)

@@ -6,6 +6,7 @@ import dataclasses
 
 from meshfit.models.config import num_params
 from meshfit.planner.estimate import MemoryEstimate, estimate_memory, usable_bytes
+from meshfit.planner.explain_footprint import footprint_lines
 from meshfit.planner.hardware import device_noun, is_cpu
 from meshfit.planner.layout import Layout
 from meshfit.planner.precision import state_bytes
@@ -240,7 +241,8 @@ def explain(plan: Plan) -> str:
     """The plain-language answer to "which techniques should we use?" for ``plan``'s model and cluster."""
     usable = usable_bytes(plan.cluster.gpu)
     return "\n".join(_states_section(plan, usable) + _technique_section(plan, usable)
-                     + _activation_section(plan, usable) + _recommendation(plan, usable))
+                     + _activation_section(plan, usable) + _recommendation(plan, usable)
+                     + footprint_lines(plan, usable))
 
 
 def _tp_cost(candidate: Candidate) -> str:
