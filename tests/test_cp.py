@@ -95,8 +95,8 @@ def test_cp_validation_names_the_field_and_what_works():
     with pytest.raises(ConfigError, match=r"parallel.cp=2 cuts each sequence into 2·cp = 4 .* train.seq_len=66 .*"
                                           r"use train.seq_len 64 or 68"):
         resolve_run(load_config(None, ["parallel.cp=2", "train.seq_len=66"]), 2)
-    with pytest.raises(ConfigError, match=r"pp × dp_replicate × dp_shard × cp × tp = 1 × 1 × 1 × 2 × 2 = 4, but the "
-                                          r"world size is 2"):
+    with pytest.raises(ConfigError, match=r"pp × dp_replicate × dp_shard × cp × tp = 1 × 1 × 1 × 2 × 2 = 4, "
+                                          r"but the world size is 2"):
         resolve_run(load_config(None, ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1"]), 2)
     with pytest.raises(ConfigError, match=r"parallel.cp=2 with parallel.zero_stage=0 .* use parallel.zero_stage 1"):
         resolve_run(load_config(None, ["parallel.cp=2", "parallel.zero_stage=0", "train.precision=bf16"]), 2)

@@ -120,5 +120,6 @@ def test_explain_shows_a_pipelines_peak_does_not_follow_the_micro_batch_count():
     layout = Layout(tp=8, pp=8, sp=True, loss_parallel=True, activation_checkpointing="full", micro_batch=1)
     plan = Plan(model=model, model_name="70b", workload=work, cluster=cluster,
                 candidates=[evaluate(model, layout, work, cluster)])
-    found = re.search(r"4× the global batch: ([\d.]+ GiB) per rank, against ([\d.]+ GiB)", " ".join(explain(plan).split()))
+    text = " ".join(explain(plan).split())
+    found = re.search(r"4× the global batch: ([\d.]+ GiB) per rank, against ([\d.]+ GiB)", text)
     assert found and found.group(1) == found.group(2)

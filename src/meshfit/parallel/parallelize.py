@@ -1,8 +1,8 @@
 """parallelize(): the one place that turns a plain single-device model into the configured layout.
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
-tensor parallelism (DTensor) -> context parallelism (attention across the cp ranks) -> activation checkpointing (and, under sequence parallelism, re-gathering
-in backward) -> torch.compile of each block (train.compile) -> data-parallel sharding (FSDP2, still on
+tensor parallelism (DTensor) -> context parallelism (attention across the cp ranks) -> activation
+checkpointing (and, under sequence parallelism, re-gathering in backward) -> torch.compile of each block (train.compile) -> data-parallel sharding (FSDP2, still on
 meta) -> materialize and initialize (identical full weights in every layout) -> DDP for the replicated
 stage 0.
 """

@@ -9,7 +9,8 @@ from __future__ import annotations
 from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
 
 # Config section of each field the rules name.
-SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel", "zero_stage": "parallel",
+SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel",
+           "zero_stage": "parallel",
            "offload": "parallel", "sp": "parallel", "loss_parallel": "parallel", "schedule": "pipeline",
            "virtual_stages": "pipeline", "mixed_precision": "parallel"}
 

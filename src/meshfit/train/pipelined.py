@@ -48,7 +48,8 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
         modules.append(parallelize(stage, shape.dims, meshes, model_cfg, parallel=cfg.parallel,
                                    zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
                                    device=device, seed=cfg.train.seed, weights=weights,
-                                   materialize=materialize, compile_blocks=cfg.train.compile, seq_len=cfg.train.seq_len))
+                                   materialize=materialize, compile_blocks=cfg.train.compile,
+                                   seq_len=cfg.train.seq_len))
     group = meshes.world["pp"].get_group()
     stages = [make_stage(m, sid, plan.n_stages, device, group) for m, sid in zip(modules, ids, strict=True)]
     # The mean loss of one micro-batch (the schedule scales gradients by 1/micro-batches).
