@@ -2,9 +2,9 @@
 
 The model is built on the meta device and knows nothing of the layout. The order is fixed:
 tensor parallelism (DTensor) -> context parallelism (attention across the cp ranks) -> activation
-checkpointing (and, under sequence parallelism, re-gathering in backward) -> torch.compile of each block (train.compile) -> data-parallel sharding (FSDP2, still on
-meta) -> materialize and initialize (identical full weights in every layout) -> DDP for the replicated
-stage 0.
+checkpointing (and, under sequence parallelism, re-gathering in backward) -> torch.compile of each block
+(train.compile) -> data-parallel sharding (FSDP2, still on meta) -> materialize and initialize (identical
+full weights in every layout) -> DDP for the replicated stage 0.
 """
 
 from __future__ import annotations
