@@ -18,7 +18,7 @@ from meshfit.config_file import ConfigError, read_config_file
 from meshfit.names import did_you_mean
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.schedules import SCHEDULES
-from meshfit.parallel.units import DEFAULT_MAX_UNIT_PARAMS
+from meshfit.parallel.kinds import DEFAULT_MAX_UNIT_PARAMS
 from meshfit.units import parse_bytes
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 # under autocast with an fp32 residual stream; fsdp: FSDP2 sharding over dp_shard (stages 1-3, HSDP).
 KINDS = ("none", "ddp", "replicas", "fsdp")
 
+# parallel.max_unit_params's default: a block with more parameters is sharded as smaller FSDP units
+# (parallel/units.py), as DeepSpeed bounds its live parameters (stage3_max_live_parameters, 1e9 elements).
+DEFAULT_MAX_UNIT_PARAMS = 1_000_000_000
+
 
 def data_parallel_kind(zero_stage: int, dp: int, tp: int, mixed_precision: bool) -> str:
     """The building block for ``zero_stage`` with ``dp`` data-parallel and ``tp`` tensor-parallel ranks."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-DEFAULT_MAX_UNIT_PARAMS = 1_000_000_000
+from meshfit.parallel.kinds import DEFAULT_MAX_UNIT_PARAMS  # noqa: F401 (the limit's home, importable without torch)
 
 
 def _size(module: nn.Module) -> int:

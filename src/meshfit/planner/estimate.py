@@ -22,10 +22,10 @@ from functools import lru_cache
 
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
 from meshfit.planner.activations import block_weight_params, head_bytes, layout_activations
-from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background, stashes_gradients
+from meshfit.parallel.kinds import (DEFAULT_MAX_UNIT_PARAMS, data_parallel_kind, reduces_in_background,
+                                    stashes_gradients)
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
-from meshfit.parallel.units import DEFAULT_MAX_UNIT_PARAMS, sub_units, unit_sizes
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
@@ -95,8 +95,12 @@ def _block_params(model: ModelConfig, tp: int) -> float:
 def _largest_unit(model: ModelConfig, max_unit_params: int) -> int | None:
     """The largest FSDP unit of one of `model`'s blocks, in parameters before tensor parallelism, from a
     block built on the meta device and split by the trainer's own rule; None when blocks are not split."""
-    from meshfit.models import build_model  # a one-block model on meta: no memory, no initialization
+    # A one-block model on meta: no memory, no initialization (torch is imported only when a block is split).
+    from meshfit.models import build_model
+    from meshfit.parallel.units import sub_units, unit_sizes
 
+    if _block_params(model, 1) <= max_unit_params:
+        return None
     block = build_model(replace(model, n_layers=1), "meta").layers["0"]
     return max(unit_sizes(block, max_unit_params)) if sub_units(block, max_unit_params) else None
 

@@ -17,7 +17,7 @@ from meshfit.names import did_you_mean
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.parallel.rules import default_zero_stage, layout_error
 from meshfit.parallel.schedules import SCHEDULES, default_virtual_stages
-from meshfit.parallel.units import DEFAULT_MAX_UNIT_PARAMS
+from meshfit.parallel.kinds import DEFAULT_MAX_UNIT_PARAMS
 from meshfit.planner.precision import OPTIMIZERS, PRECISIONS
 
 
