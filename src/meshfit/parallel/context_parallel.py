@@ -35,9 +35,11 @@ def cp_degree_error(cp: int, seq_len: int) -> str | None:
         return None
     valid = [d for d in range(1, seq_len // 2 + 1) if seq_len % (2 * d) == 0]
     fits = [seq_len // (2 * cp) * 2 * cp, (seq_len // (2 * cp) + 1) * 2 * cp]
+    degrees = (f", or parallel.cp one of {', '.join(map(str, valid[:12]))}" if valid
+               else " (no parallel.cp splits an odd length)")
     return (f"parallel.cp={cp} cuts each sequence into 2·cp = {2 * cp} equal chunks (two per rank, for the causal "
             f"load balance), which train.seq_len={seq_len} does not divide; use train.seq_len "
-            f"{' or '.join(str(f) for f in fits if f > 0)}, or parallel.cp one of {', '.join(map(str, valid[:12]))}")
+            f"{' or '.join(str(f) for f in fits if f > 0)}{degrees}")
 
 
 def chunk_order(cp: int, rank: int) -> tuple[int, int]:
