@@ -109,25 +109,39 @@ def _attention_rate(device: Any, dtype: Any, dim: int, seq: int, target_s: float
     return 12.0 * seq * dim * batch * seq / _timed(step, device, target_s)
 
 
-def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, target_s: float) -> float:
-    """Training FLOP/s (flops_per_token's count) of meshfit's own model code, forward + loss + backward,
-    on at most two of ``model``'s blocks: what matmuls alone do not show (norms, activations, rotary
-    embeddings, the loss, per-operator overhead) at this model's shapes."""
+def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, target_s: float
+                ) -> tuple[float, float]:
+    """(training FLOP/s by flops_per_token's count, seconds per dispatched operator) of meshfit's own model
+    code, forward + loss + backward, on at most two of ``model``'s blocks: what matmuls alone do not show
+    (norms, activations, rotary embeddings, the loss) at this model's shapes.
+
+    The cost per operator, which eager execution pays whatever the sizes (planner/op_count.py), is timed on
+    the same code at sizes where the arithmetic is negligible (op_count.shrunk: one 16-token sequence)
+    divided by the operators that step dispatches; the rate is the FLOPs of ``tokens`` tokens over their
+    step's time less its operators' cost. (A straight line through two batch sizes would charge the better
+    efficiency of larger matmuls to the operators.)"""
     import torch
     import torch.nn.functional as F
 
     from meshfit.models import build_model, flops_per_token
+    from meshfit.planner.op_count import count_ops, shrunk
 
-    cfg = model_for_rates(model, seq)
-    net = build_model(cfg, device).to(dtype)
-    batch = max(1, tokens // seq)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    def step(cfg: Any, batch: int, length: int) -> Callable[[], None]:
+        net = build_model(cfg, device).to(dtype)
+        x = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
 
-    def step() -> None:
-        logits = net(x)
-        F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+        def run() -> None:
+            logits = net(x)
+            F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+        return run
 
-    return flops_per_token(cfg, seq) * batch * seq / _timed(step, device, target_s)
+    small = step(shrunk(model_for_rates(model, seq), 2), 1, 16)
+    op_s = _timed(small, device, target_s / 3) / count_ops(small)[0]
+    cfg, batch = model_for_rates(model, seq), max(1, tokens // seq)
+    run = step(cfg, batch, seq)
+    seconds = _timed(run, device, target_s)
+    per_token = max(seconds - count_ops(run)[0] * op_s, 0.5 * seconds)  # never more than half the step
+    return flops_per_token(cfg, seq) * batch * seq / per_token, op_s
 
 
 def _optimizer_rate(device: Any, numel: int, target_s: float) -> float:
@@ -284,9 +298,11 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
         say(f"attention {name}: {out['attention_flops'][name] / 1e9:.1f} GFLOP/s per rank")
         if model is not None:
             dist.barrier()
-            out.setdefault("model_flops", {})[name] = _model_rate(device, dtypes[name], model, seq, tokens,
-                                                                  3 * target)
-            say(f"model {name} (seq {seq}): {out['model_flops'][name] / 1e9:.1f} GFLOP/s per rank, training")
+            rate, op_s = _model_rate(device, dtypes[name], model, seq, tokens, 3 * target)
+            out.setdefault("model_flops", {})[name] = rate
+            out.setdefault("op_s", {})[name] = op_s
+            say(f"model {name} (seq {seq}): {rate / 1e9:.1f} GFLOP/s per rank and {op_s * 1e6:.1f} µs per "
+                "operator, training")
     if model is not None and world > 1:
         # Two batch sizes per point and a difference of their times: longer, for a steadier fit.
         out["tp_flops"] = tp_rates(device, dtypes, model, seq, tokens, 5 * target, _timed_together,
@@ -356,11 +372,12 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Mo
     first = ranks[0]
     keys = ("matmul_flops", "attention_flops") + (("model_flops",) if model is not None else ())
     slowest = {key: {d: min(r[key][d] for r in ranks) for d in DTYPES} for key in keys}
+    op_s = {d: max(r["op_s"][d] for r in ranks) for d in DTYPES} if model is not None else None
     return HardwareProfile(
         device="cuda" if cuda else "cpu", device_name=first["device_name"], backend="nccl" if cuda else "gloo",
         ranks=nproc, threads_per_rank=threads, memory_bytes=first.get("memory_bytes"),
         matmul_flops=slowest["matmul_flops"], attention_flops=slowest["attention_flops"],
-        model_flops=slowest.get("model_flops"), seq=seq if model is not None else 0,
+        model_flops=slowest.get("model_flops"), op_s=op_s, seq=seq if model is not None else 0,
         tp_flops=slowest_tp(ranks),
         elementwise_bytes_per_s=min(r["elementwise_bytes_per_s"] for r in ranks),
         collectives=first["collectives"], overlap=first.get("overlap", 0.0),
