@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshfit.calibrate_tp import model_for_rates, slowest_tp, tp_rates
+from meshfit.calibrate_tp import SHORT_SEQ, model_for_rates, split_fixed, slowest_tp, tp_rates
 from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
 from meshfit.planner.comm_time import ring_terms
 from meshfit.units import fmt_bytes
@@ -115,19 +115,20 @@ def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, targ
     code, forward + loss + backward, on at most two of ``model``'s blocks: what matmuls alone do not show
     (norms, activations, rotary embeddings, the loss) at this model's shapes.
 
-    The cost per operator, which eager execution pays whatever the sizes (planner/op_count.py), is timed on
-    the same code at sizes where the arithmetic is negligible (op_count.shrunk: one 16-token sequence)
-    divided by the operators that step dispatches; the rate is the FLOPs of ``tokens`` tokens over their
-    step's time less its operators' cost. (A straight line through two batch sizes would charge the better
-    efficiency of larger matmuls to the operators.)"""
+    Timed twice (calibrate_tp.split_fixed): one sequence of SHORT_SEQ tokens, whose time is mostly the
+    fixed cost that eager execution pays per operator whatever the sizes (planner/op_count.py), and
+    ``tokens`` tokens; the fixed part over the operators one step dispatches (counted on it) is the cost
+    per operator, and the rate is what the FLOPs add."""
     import torch
     import torch.nn.functional as F
 
     from meshfit.models import build_model, flops_per_token
-    from meshfit.planner.op_count import count_ops, shrunk
+    from meshfit.planner.op_count import count_ops
 
-    def step(cfg: Any, batch: int, length: int) -> Callable[[], None]:
-        net = build_model(cfg, device).to(dtype)
+    cfg = model_for_rates(model, seq)
+    net = build_model(cfg, device).to(dtype)
+
+    def step(batch: int, length: int) -> Callable[[], None]:
         x = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
 
         def run() -> None:
@@ -135,13 +136,10 @@ def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, targ
             F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
         return run
 
-    small = step(shrunk(model_for_rates(model, seq), 2), 1, 16)
-    op_s = _timed(small, device, target_s / 3) / count_ops(small)[0]
-    cfg, batch = model_for_rates(model, seq), max(1, tokens // seq)
-    run = step(cfg, batch, seq)
-    seconds = _timed(run, device, target_s)
-    per_token = max(seconds - count_ops(run)[0] * op_s, 0.5 * seconds)  # never more than half the step
-    return flops_per_token(cfg, seq) * batch * seq / per_token, op_s
+    points = [(1, SHORT_SEQ), (max(1, tokens // seq), seq)]
+    rate, fixed = split_fixed(*((_timed(step(b, s), device, target_s / 2), flops_per_token(cfg, s) * b * s)
+                                for b, s in points))
+    return rate, fixed / count_ops(step(1, SHORT_SEQ))[0]
 
 
 def _optimizer_rate(device: Any, numel: int, target_s: float) -> float:

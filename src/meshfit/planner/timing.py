@@ -251,7 +251,9 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     rate = (tp_rate[0] if tp_rate is not None else peak) * efficiency
     # Memory-bound element-wise work, unless a rate measured on the model itself holds it already.
     in_rate = prof is not None and (prof.model_flops is not None or tp_rate is not None)
-    ew = (0.0, 0.0, 0.0, 0.0) if in_rate else _elementwise_bytes(model, layout, cbytes)
+    ew = _elementwise_bytes(model, layout, cbytes)
+    if in_rate:  # only the "op" policy's re-run element-wise forward is not in the measured rate
+        ew = (0.0, ew[1] if layout.activation_checkpointing == "op" else 0.0, 0.0, 0.0)
     if workload.compiled:  # the blocks' element-wise chains fuse; embeddings, head and loss stay eager
         ew = (ew[0] * COMPILED_ELEMENTWISE, ew[1] * COMPILED_ELEMENTWISE, ew[2], ew[3])
     bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
