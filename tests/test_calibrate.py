@@ -233,3 +233,14 @@ def test_plan_says_what_times_rest_on_and_which_it_cannot_order():
     assert calibrated.error == MODEL_CALIBRATED_ERROR and calibrated.lacks == ("tensor-parallel rates",)
     assert close_runs([1.0, 1.1, 1.2, 2.0, 2.1, 5.0], 0.25) == [(0, 2), (3, 4)]
     assert close_runs([1.0, 1.5, 2.5], 0.25) == []
+
+
+def test_the_fixed_part_and_the_rate_split_through_a_short_and_a_full_step():
+    from meshfit.calibrate_tp import split_fixed
+
+    # t = 10 ms + FLOPs / 10 GFLOP/s at 1e8 and 1e10 FLOPs.
+    rate, fixed = split_fixed((0.01 + 1e8 / 1e10, 1e8), (0.01 + 1e10 / 1e10, 1e10))
+    assert rate == pytest.approx(1e10) and fixed == pytest.approx(0.01)
+    # Noise that makes the full step no slower, or the line cross below zero: all of it is rate.
+    assert split_fixed((2.0, 1e8), (1.0, 1e10)) == (1e10, 0.0)
+    assert split_fixed((0.001, 1e8), (1.0, 1e10)) == (1e10, 0.0)
