@@ -96,7 +96,7 @@ class StepTime:
 
     compute_s: float  # forward+backward(+recompute) time of the most-loaded rank's kernels, all micro-batches
     recompute_s: float  # part of compute_s spent re-running forwards (activation checkpointing)
-    elementwise_s: float  # part of compute_s in memory-bound element-wise kernels (0 when measured within it)
+    elementwise_s: float  # part of compute_s in memory-bound element-wise kernels (within a measured rate: op's re-run)
     tp_comm_s: float  # exposed tensor-parallel collective time
     cp_comm_s: float  # exposed context-parallel collective time (keys and values gathered, gradients scattered)
     dp_comm_s: float  # exposed data-parallel (all-reduce / reduce-scatter / all-gather) time
