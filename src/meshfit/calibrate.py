@@ -5,8 +5,9 @@ intra-op threads the launcher gives them): matmuls at a transformer block's shap
 backward products) per dtype, fused causal attention forward + backward, the fused AdamW step's memory
 traffic, the collectives meshfit uses per group size (large messages for bus bandwidth, small ones for
 latency), how much of an all-reduce a concurrent matmul hides, and on CUDA pinned host↔device copies.
-With a model also its own training rate and, on several ranks, that of its blocks laid out
-tensor-parallel (calibrate_tp.py). The slowest rank's compute rates are kept (it sets the step's pace).
+With a model also its own training rate, split from a cost per dispatched operator, and, on several
+ranks, that of its blocks laid out tensor-parallel (calibrate_tp.py). The slowest rank's compute rates
+are kept (it sets the step's pace).
 """
 
 from __future__ import annotations
