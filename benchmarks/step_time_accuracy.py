@@ -21,6 +21,7 @@ from pathlib import Path
 
 from meshfit.calibrate import calibrate
 from meshfit.config import load_config
+from meshfit.models.config import ModelConfig
 from meshfit.models.presets import get_preset
 from meshfit.planner.hardware import Cluster, cpu_device
 from meshfit.planner.layout import Layout, Workload
@@ -48,10 +49,11 @@ LAYOUTS = {
 }
 
 
-def measured(layout: Layout, steps: int, root: Path) -> float:
-    sections = plan_sections(MODEL, WORK, layout)
+def measured(layout: Layout, steps: int, root: Path, model: ModelConfig = MODEL, work: Workload = WORK) -> float:
+    """Median seconds of the steady steps of ``layout`` trained for ``steps`` steps on local CPU ranks."""
+    sections = plan_sections(model, work, layout)
     sections["train"].update(steps=steps, device="cpu", log_every=1000)
-    run_dir = root / layout.describe().replace(" ", "")
+    run_dir = root / f"{layout.describe()}-s{work.seq_len}-b{work.global_batch}-c{int(work.compiled)}".replace(" ", "")
     outcome = launch(load_config(None, sections=sections), run_dir, layout.world_size)
     if not outcome.ok:
         raise SystemExit(f"{layout.describe()} failed: {outcome.message}")

@@ -20,7 +20,8 @@ TINY = get_preset("tiny")
 WORK = Workload(seq_len=64, global_batch=8, precision="fp32")
 
 
-def _profile(ar=1e9, ag=2e9, rs=0.5e9, latency=1e-4, flops=1e10, overlap=0.0, model=True) -> HardwareProfile:
+def _profile(ar=1e9, ag=2e9, rs=0.5e9, latency=1e-4, flops=1e10, overlap=0.0, model=True, op_s=None
+             ) -> HardwareProfile:
     """Measured rates; ``model``: the model's own training rate too (calibrate --model), which holds the
     element-wise work, so compute is the FLOPs at that rate alone."""
     links = {"all_reduce": Link(bus_bytes_per_s=ar, latency_s=latency),
@@ -30,7 +31,8 @@ def _profile(ar=1e9, ag=2e9, rs=0.5e9, latency=1e-4, flops=1e10, overlap=0.0, mo
     return HardwareProfile(device="cpu", device_name="test", backend="gloo", ranks=2, threads_per_rank=1,
                            matmul_flops={"fp32": flops, "bf16": flops}, attention_flops={"fp32": flops, "bf16": flops},
                            elementwise_bytes_per_s=1e10, collectives={2: links}, overlap=overlap,
-                           model_flops={"fp32": flops, "bf16": flops} if model else None, seq=64 if model else 0)
+                           model_flops={"fp32": flops, "bf16": flops} if model else None, seq=64 if model else 0,
+                           op_s={"fp32": op_s, "bf16": op_s} if op_s is not None else None)
 
 
 def _time(layout: Layout, profile: HardwareProfile):
@@ -138,6 +140,7 @@ def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys):
     profile = load_profile(out)
     assert profile.device == "cpu" and profile.backend == "gloo" and profile.ranks == 2
     assert set(profile.collectives) == {2} and profile.model_flops.fp32 > 0 and profile.seq == 64
+    assert 0 < profile.op_s.fp32 < 1e-2 and not profile.lacks()
     # tiny's 4 heads split over 2 ranks: tensor parallelism measured, with and without sequence parallelism.
     assert set(profile.tp_flops) == {2} and set(profile.tp_flops[2]) == {"plain", "sp"}
     assert 0 < profile.tp_flops[2]["plain"].flops.fp32 < 10 * profile.model_flops.fp32
@@ -187,3 +190,57 @@ def test_a_calibrated_overlap_hides_that_share_of_the_communication():
         exposed, quarter = _time(layout, _profile(overlap=0.0)), _time(layout, _profile(overlap=0.25))
         assert exposed.dp_comm_s < exposed.compute_s / 2, layout
         assert quarter.dp_comm_s == pytest.approx(0.75 * exposed.dp_comm_s), layout
+
+
+def test_a_profile_without_the_operator_cost_loads_and_says_what_it_lacks(tmp_path):
+    path = tmp_path / "hw.json"
+    save_profile(_profile(op_s=2e-5), path)
+    assert load_profile(path).op_s.fp32 == 2e-5
+    doc = json.loads(path.read_text())
+    del doc["op_s"]  # as written before the cost per operator was measured
+    path.write_text(json.dumps(doc))
+    old = load_profile(path)
+    assert old.op_s is None and old.op_seconds("mixed") is None
+    assert [w.split(" (")[0] for w in old.lacks()] == ["the cost per dispatched operator", "tensor-parallel rates"]
+    kernels = _profile(model=False)
+    assert any("model's own training rate" in w for w in kernels.lacks())
+
+
+def test_the_operator_cost_is_counted_operators_times_the_measured_cost_per_micro_batch():
+    from meshfit.planner.op_count import rank_ops
+
+    plain = _time(Layout(dp_replicate=2, micro_batch=1), _profile())
+    for mb in (1, 4):
+        t = _time(Layout(dp_replicate=2, micro_batch=mb), _profile(op_s=1e-4))
+        m = WORK.global_batch // 2 // mb
+        assert t.operators_s == pytest.approx(m * rank_ops(TINY, "none", TINY.n_layers, True, False) * 1e-4)
+        assert t.compute_s == pytest.approx(plain.compute_s + t.operators_s)
+    # Recompute re-runs operators: the extra ones are recompute; a measured tensor-parallel rate holds its own.
+    full = _time(Layout(dp_replicate=2, activation_checkpointing="full"), _profile(op_s=1e-4))
+    ops = rank_ops(TINY, "full", TINY.n_layers, True, False) - rank_ops(TINY, "none", TINY.n_layers, True, False)
+    assert full.recompute_s - _time(Layout(dp_replicate=2, activation_checkpointing="full"), _profile()).recompute_s \
+        == pytest.approx(WORK.global_batch // 2 * ops * 1e-4)  # micro-batches of 1
+    assert _time(Layout(dp_replicate=2), _profile(op_s=None)).operators_s == 0.0
+
+
+def test_plan_says_what_times_rest_on_and_which_it_cannot_order():
+    from meshfit.planner.hardware import get_gpu
+    from meshfit.planner.time_basis import DATASHEET_ERROR, MODEL_CALIBRATED_ERROR, close_runs, time_basis
+
+    assert time_basis(get_gpu("H100-SXM")).error == DATASHEET_ERROR
+    assert "datasheet" in time_basis(get_gpu("H100-SXM")).label
+    calibrated = time_basis(cpu_device(2**30, _profile(op_s=1e-5)))
+    assert calibrated.error == MODEL_CALIBRATED_ERROR and calibrated.lacks == ("tensor-parallel rates",)
+    assert close_runs([1.0, 1.1, 1.2, 2.0, 2.1, 5.0], 0.25) == [(0, 2), (3, 4)]
+    assert close_runs([1.0, 1.5, 2.5], 0.25) == []
+
+
+def test_the_fixed_part_and_the_rate_split_through_a_short_and_a_full_step():
+    from meshfit.calibrate_tp import split_fixed
+
+    # t = 10 ms + FLOPs / 10 GFLOP/s at 1e8 and 1e10 FLOPs.
+    rate, fixed = split_fixed((0.01 + 1e8 / 1e10, 1e8), (0.01 + 1e10 / 1e10, 1e10))
+    assert rate == pytest.approx(1e10) and fixed == pytest.approx(0.01)
+    # Noise that makes the full step no slower, or the line cross below zero: all of it is rate.
+    assert split_fixed((2.0, 1e8), (1.0, 1e10)) == (1e10, 0.0)
+    assert split_fixed((0.001, 1e8), (1.0, 1e10)) == (1e10, 0.0)

@@ -322,3 +322,26 @@ def test_rejects_a_layout_for_another_world_size():
         _time(Layout(dp_shard=8, zero_stage=3), replace(LONG, global_batch=30))
     with pytest.raises(ValueError, match="micro_batch=3"):
         _time(Layout(dp_shard=8, zero_stage=3, micro_batch=3))
+
+
+# --- Operators per block (per-operator cost) ------------------------------------------------------------
+
+
+def test_operator_counts_follow_recompute_and_compilation():
+    from meshfit.planner.op_count import op_counts, rank_ops
+
+    small = get_preset("small")
+    none, full, op = (op_counts(small, p) for p in ("none", "full", "op"))
+    # A checkpointed block re-runs its forward in backward: more operators, and "full" also re-runs the
+    # matmuls, which "op" keeps.
+    assert full.block > none.block and op.block > none.block
+    assert full.block_heavy > none.block_heavy == op.block_heavy > 0
+    # The count is the structure's, not the sizes': a wider model with the same heads counts the same.
+    assert op_counts(replace(small, dim=512, ffn_hidden=1376), "none") == none
+    # Compiled blocks launch far fewer kernels; "selective" lies between "none" and "full".
+    assert rank_ops(small, "none", 4, False, True) < rank_ops(small, "none", 4, False, False) / 3
+    sel = rank_ops(small, "selective", 4, True, False)
+    assert rank_ops(small, "none", 4, True, False) < sel < rank_ops(small, "full", 4, True, False)
+    assert sel == 2 * full.block + 2 * none.block + none.rest
+    with pytest.raises(ValueError, match="counted are none, full, op, attention"):
+        op_counts(small, "selective")

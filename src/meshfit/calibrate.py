@@ -5,8 +5,9 @@ intra-op threads the launcher gives them): matmuls at a transformer block's shap
 backward products) per dtype, fused causal attention forward + backward, the fused AdamW step's memory
 traffic, the collectives meshfit uses per group size (large messages for bus bandwidth, small ones for
 latency), how much of an all-reduce a concurrent matmul hides, and on CUDA pinned host↔device copies.
-With a model also its own training rate and, on several ranks, that of its blocks laid out
-tensor-parallel (calibrate_tp.py). The slowest rank's compute rates are kept (it sets the step's pace).
+With a model also its own training rate, split from a cost per dispatched operator, and, on several
+ranks, that of its blocks laid out tensor-parallel (calibrate_tp.py). The slowest rank's compute rates
+are kept (it sets the step's pace).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshfit.calibrate_tp import model_for_rates, slowest_tp, tp_rates
+from meshfit.calibrate_tp import SHORT_SEQ, model_for_rates, split_fixed, slowest_tp, tp_rates
 from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
 from meshfit.planner.comm_time import ring_terms
 from meshfit.units import fmt_bytes
@@ -109,25 +110,57 @@ def _attention_rate(device: Any, dtype: Any, dim: int, seq: int, target_s: float
     return 12.0 * seq * dim * batch * seq / _timed(step, device, target_s)
 
 
-def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, target_s: float) -> float:
-    """Training FLOP/s (flops_per_token's count) of meshfit's own model code, forward + loss + backward,
-    on at most two of ``model``'s blocks: what matmuls alone do not show (norms, activations, rotary
-    embeddings, the loss, per-operator overhead) at this model's shapes."""
+def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, target_s: float
+                ) -> tuple[float, float]:
+    """(training FLOP/s by flops_per_token's count, seconds per dispatched operator) of meshfit's own model
+    code, forward + loss + backward, on at most two of ``model``'s blocks: what matmuls alone do not show
+    (norms, activations, rotary embeddings, the loss) at this model's shapes.
+
+    Timed twice (calibrate_tp.split_fixed): one sequence of SHORT_SEQ tokens, whose time is mostly the
+    fixed cost that eager execution pays per operator whatever the sizes (planner/op_count.py), and
+    ``tokens`` tokens; the fixed part over the operators one step dispatches (counted on it) is the cost
+    per operator, and the rate is what the FLOPs add."""
     import torch
     import torch.nn.functional as F
 
     from meshfit.models import build_model, flops_per_token
+    from meshfit.planner.op_count import count_ops
 
     cfg = model_for_rates(model, seq)
     net = build_model(cfg, device).to(dtype)
-    batch = max(1, tokens // seq)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
 
-    def step() -> None:
-        logits = net(x)
-        F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+    def step(batch: int, length: int) -> Callable[[], None]:
+        x = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
 
-    return flops_per_token(cfg, seq) * batch * seq / _timed(step, device, target_s)
+        def run() -> None:
+            logits = net(x)
+            F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+        return run
+
+    points = [(1, SHORT_SEQ), (max(1, tokens // seq), seq)]
+    rate, fixed = split_fixed(*((_timed(step(b, s), device, target_s / 2), flops_per_token(cfg, s) * b * s)
+                                for b, s in points))
+    return rate, fixed / count_ops(step(1, SHORT_SEQ))[0]
+
+
+def _model_pass(out: dict[str, Any], device: Any, dtype: Any, name: str, model: Any, seq: int, tokens: int,
+                target_s: float, say: Callable[[str], None]) -> None:
+    """Measure the model's rate and cost per operator into ``out``, averaged (in time per FLOP) with an
+    earlier pass's: two samples seconds apart follow a shared host's load as training's many steps do. One
+    short pass read 18 GFLOP/s during a burst of other work (34–45 in the rounds around it); keeping the
+    faster of two passes instead read 70 and predicted all of 14 held-out layouts 14–62% fast
+    (benchmarks/step_time_holdout.py)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    rate, op_s = _model_rate(device, dtype, model, seq, tokens, target_s)
+    say(f"model {name} (seq {seq}): {rate / 1e9:.1f} GFLOP/s per rank and {op_s * 1e6:.1f} µs per operator, "
+        "training")
+    earlier = out.setdefault("model_flops", {}).get(name)
+    if earlier is not None:
+        rate, op_s = 2.0 / (1.0 / rate + 1.0 / earlier), (op_s + out["op_s"][name]) / 2.0
+    out["model_flops"][name] = rate
+    out.setdefault("op_s", {})[name] = op_s
 
 
 def _optimizer_rate(device: Any, numel: int, target_s: float) -> float:
@@ -283,10 +316,7 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
         out["attention_flops"][name] = _attention_rate(device, dtypes[name], dim, min(tokens, 1024), 2 * target)
         say(f"attention {name}: {out['attention_flops'][name] / 1e9:.1f} GFLOP/s per rank")
         if model is not None:
-            dist.barrier()
-            out.setdefault("model_flops", {})[name] = _model_rate(device, dtypes[name], model, seq, tokens,
-                                                                  3 * target)
-            say(f"model {name} (seq {seq}): {out['model_flops'][name] / 1e9:.1f} GFLOP/s per rank, training")
+            _model_pass(out, device, dtypes[name], name, model, seq, tokens, 3 * target, say)
     if model is not None and world > 1:
         # Two batch sizes per point and a difference of their times: longer, for a steadier fit.
         out["tp_flops"] = tp_rates(device, dtypes, model, seq, tokens, 5 * target, _timed_together,
@@ -303,6 +333,9 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
         everyone = dist.new_group(list(range(world)), backend="nccl") if cuda else None
         out["overlap"] = _overlap(device, dim, tokens, big, 2 * target, everyone)
         say(f"all-reduce hidden behind a concurrent matmul: {out['overlap']:.0%}")
+    if model is not None:  # a second pass, seconds later, averaged with the first (see _model_pass)
+        for name in DTYPES:
+            _model_pass(out, device, dtypes[name], name, model, seq, tokens, 3 * target, say)
     if cuda:
         host = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
         dev_buf = torch.empty_like(host, device=device)
@@ -356,11 +389,12 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Mo
     first = ranks[0]
     keys = ("matmul_flops", "attention_flops") + (("model_flops",) if model is not None else ())
     slowest = {key: {d: min(r[key][d] for r in ranks) for d in DTYPES} for key in keys}
+    op_s = {d: max(r["op_s"][d] for r in ranks) for d in DTYPES} if model is not None else None
     return HardwareProfile(
         device="cuda" if cuda else "cpu", device_name=first["device_name"], backend="nccl" if cuda else "gloo",
         ranks=nproc, threads_per_rank=threads, memory_bytes=first.get("memory_bytes"),
         matmul_flops=slowest["matmul_flops"], attention_flops=slowest["attention_flops"],
-        model_flops=slowest.get("model_flops"), seq=seq if model is not None else 0,
+        model_flops=slowest.get("model_flops"), op_s=op_s, seq=seq if model is not None else 0,
         tp_flops=slowest_tp(ranks),
         elementwise_bytes_per_s=min(r["elementwise_bytes_per_s"] for r in ranks),
         collectives=first["collectives"], overlap=first.get("overlap", 0.0),

@@ -21,10 +21,6 @@ from typing import Any
 from meshfit.models.config import ModelConfig
 from meshfit.planner.profile import TP_VARIANTS, Rates, Seconds, TPRates
 
-# The larger batch must take this much longer than the smaller one for a fixed part to be fitted.
-FIT_MARGIN = 0.2
-
-
 def model_for_rates(model: ModelConfig, seq: int) -> ModelConfig:
     """At most two of ``model``'s blocks (with its embeddings, head and loss), able to take ``seq``."""
     return dataclasses.replace(model, n_layers=min(2, model.n_layers), max_seq_len=max(seq, model.max_seq_len),
@@ -59,14 +55,22 @@ def _tp_step(model: ModelConfig, seq: int, batch: int, tp_mesh: Any, sp: bool, d
     return step
 
 
-def _fit(one: float, two: float, batches: tuple[int, int]) -> tuple[float, float]:
-    """(seconds per sequence, fixed seconds per step) through the times of two batch sizes. When the larger
-    batch is not clearly slower (noise larger than the added work), no fixed part can be told apart and
-    all of the larger batch's time is counted per sequence."""
-    if two <= one * (1.0 + FIT_MARGIN):
-        return two / batches[1], 0.0
-    per_seq = (two - one) / (batches[1] - batches[0])
-    return per_seq, max(0.0, one - batches[0] * per_seq)
+def split_fixed(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(FLOP/s, fixed seconds per step) through two (seconds, FLOPs) points: a step of a few tokens, where
+    the fixed part dominates, and a full one. The small step is as short as training's steps get (one
+    16-token sequence) so that a straight line through it does not charge the larger matmuls' better
+    efficiency to the fixed part. When noise makes the line fall (or the fixed part negative), all of the
+    large step's time is counted as rate."""
+    (t1, f1), (t2, f2) = small, large
+    if t2 <= t1 or f2 <= f1:
+        return f2 / t2, 0.0
+    per_flop = (t2 - t1) / (f2 - f1)
+    fixed = t1 - f1 * per_flop
+    return (1.0 / per_flop, fixed) if fixed > 0 else (f2 / t2, 0.0)
+
+
+# Tokens of the short step that measures the fixed part (one sequence).
+SHORT_SEQ = 16
 
 
 def tp_rates(device: Any, dtypes: dict[str, Any], model: ModelConfig, seq: int, tokens: int, target_s: float,
@@ -77,8 +81,8 @@ def tp_rates(device: Any, dtypes: dict[str, Any], model: ModelConfig, seq: int, 
     groups at once, as a layout with other dimensions does. ``timed`` is calibrate's collective timer
     (every rank makes the same number of calls).
 
-    Each is timed at two batch sizes: the time grows with the tokens at the "flops" rate, and what it does
-    not grow by (DTensor's dispatch, collective latencies, the head's and loss's fixed work) is a fixed
+    Each is timed at two sizes (split_fixed): the time grows with the FLOPs at the "flops" rate, and what it
+    does not grow by (DTensor's dispatch, collective latencies, the head's and loss's fixed work) is a fixed
     cost per block and micro-batch, "block_call_s"."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -88,9 +92,8 @@ def tp_rates(device: Any, dtypes: dict[str, Any], model: ModelConfig, seq: int, 
     from meshfit.parallel.tensor_parallel import tp_degree_error
 
     base = model_for_rates(model, seq)
-    # Batches a factor of 4 apart (a wide lever on the fixed part), the larger one calibrate's tokens.
-    small = max(1, tokens // seq // 4)
-    batches = (small, 4 * small)
+    # A one-sequence step of SHORT_SEQ tokens (mostly fixed cost) and one of calibrate's tokens.
+    points = ((1, SHORT_SEQ), (max(1, tokens // seq), seq))
     world = dist.get_world_size()
     # Training's collectives run over NCCL on GPUs; calibrate's default group is gloo.
     backend = {"rest": "nccl", "tp": "nccl"} if device.type == "cuda" else None
@@ -100,14 +103,15 @@ def tp_rates(device: Any, dtypes: dict[str, Any], model: ModelConfig, seq: int, 
                                 backend_override=backend)["tp"]
         cfg = pad_vocab_for_tp(base, t)  # as training builds it
         for sp in (False, True):  # with sp, loss parallelism too (the profile's TP_VARIANTS)
-            if tp_degree_error(cfg, t, seq, sp) is not None:
+            if any(tp_degree_error(cfg, t, s, sp) is not None for _, s in points):
                 continue
             entry = out.setdefault(t, {}).setdefault(TP_VARIANTS[sp], {"flops": {}, "block_call_s": {}})
             for name, dtype in dtypes.items():
                 dist.barrier()
-                per_seq, fixed = _fit(*(timed(_tp_step(cfg, seq, b, mesh, sp, dtype, device), device, target_s)
-                                        for b in batches), batches)
-                entry["flops"][name] = flops_per_token(cfg, seq) * seq / t / per_seq
+                # Counted as the planner counts a tensor-parallel rank's work: flops_per_token / t per token.
+                rate, fixed = split_fixed(*((timed(_tp_step(cfg, s, b, mesh, sp, dtype, device), device, target_s),
+                                             flops_per_token(cfg, s) * b * s / t) for b, s in points))
+                entry["flops"][name] = rate
                 entry["block_call_s"][name] = fixed / cfg.n_layers
                 say(f"model {name} at tp {t}{' + sp' if sp else ''}: {entry['flops'][name] / 1e9:.1f} GFLOP/s "
                     f"per rank and {entry['block_call_s'][name] * 1e3:.1f} ms per block and micro-batch, training")

@@ -307,6 +307,8 @@ def _save_profile(profile: Any, out: Path) -> int:
         return 1
     print(f"wrote {out} ({profile.seconds:.0f} s of measurement); use it with "
           f"`meshfit plan --hardware {out}`", file=sys.stderr)
+    if profile.lacks():  # what the time model will take from datasheet or generic figures instead
+        print(f"the profile lacks {'; '.join(profile.lacks())}", file=sys.stderr)
     return 0
 
 

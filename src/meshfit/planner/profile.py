@@ -13,6 +13,9 @@ as training's ranks do), so the planner uses it as is: no efficiency factor on t
                                                               # counted as 12·s·h FLOPs per token (as planned)
       "model_flops": {"fp32": FLOP/s, "bf16": FLOP/s}, "seq": 256,  # optional (calibrate --model): the model's
                                                               # own forward + loss + backward at dim and seq
+      "op_s": {"fp32": s, "bf16": s},                         # optional (--model): seconds per dispatched
+                                                              # operator; model_flops is then the per-token
+                                                              # rate without it (older profiles: with it)
       "tp_flops": {"2": {"plain": {"flops": {"fp32": .., "bf16": ..}, "block_call_s": {"fp32": s, ..}},
                          "sp": {...}}},                       # optional (--model, N ≥ 2): the same blocks
                                                               # tensor-parallel over t ranks (calibrate_tp.py)
@@ -112,6 +115,9 @@ class HardwareProfile(BaseModel):
     # flops_per_token's count, so element-wise work and per-operator overhead are in it. Optional.
     model_flops: Rates | None = None
     seq: int = Field(default=0, ge=0)
+    # Seconds per dispatched operator (planner/op_count.py), fitted with model_flops from two batch sizes: the
+    # time the larger batch does not add. None in profiles written before it was measured, or without --model.
+    op_s: Seconds | None = None
     # The same blocks tensor-parallel over t ranks ("plain", or "sp" with sequence and loss parallelism):
     # unsplit element-wise work, DTensor dispatch and the activations' collectives are in them. Optional.
     tp_flops: dict[Annotated[int, Field(ge=2)], dict[Literal[TP_VARIANTS], TPRates]] = {}
@@ -131,6 +137,24 @@ class HardwareProfile(BaseModel):
         if self.model_flops is not None:
             return getattr(self.model_flops, key)
         return getattr(self.attention_flops if attention else self.matmul_flops, key)
+
+    def op_seconds(self, precision: str) -> float | None:
+        """Measured seconds per dispatched operator, None when not measured."""
+        return None if self.op_s is None else getattr(self.op_s, dtype_key(precision))
+
+    def lacks(self) -> list[str]:
+        """What the time model falls back on for want of a measurement: one phrase each."""
+        out = []
+        if self.model_flops is None:
+            out.append("the model's own training rate (kernel rates and generic element-wise traffic instead; "
+                       "calibrate with --model)")
+        if self.op_s is None:
+            out.append("the cost per dispatched operator (not charged; calibrate with --model)")
+        if self.model_flops is not None and not self.tp_flops and self.ranks > 1:
+            out.append("tensor-parallel rates")
+        if not self.collectives:
+            out.append("collectives (calibrated on one rank)")
+        return out
 
     def tp_rate(self, precision: str, tp: int, sp: bool) -> tuple[float, float] | None:
         """(FLOP/s per rank, seconds per block and micro-batch) measured for a tensor-parallel rank

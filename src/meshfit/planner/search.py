@@ -19,6 +19,7 @@ from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.timing import StepTime, step_time
+from meshfit.planner.time_basis import time_basis
 from meshfit.units import fmt_bytes
 
 # Fewest tokens of a sequence a context-parallel rank is planned with. Context parallelism answers sequences
@@ -71,13 +72,15 @@ class Plan:
 
     def to_json(self, top: int | None = None) -> dict[str, Any]:
         gpu = self.cluster.gpu
+        basis = time_basis(gpu)
         chosen = self.candidates if top is None else self.candidates[:top]
         return {
             "model": {"name": self.model_name, "params": num_params(self.model), **self.model.__dict__},
             "cluster": {"gpu": gpu.name, "nodes": self.cluster.nodes, "gpus_per_node": self.cluster.gpus_per_node,
                         "world_size": self.cluster.world_size, "memory_bytes": gpu.memory_bytes,
                         "usable_bytes": int(usable_bytes(gpu)),
-                        "rates": "measured" if gpu.profile is not None else "datasheet"},
+                        "rates": "measured" if gpu.profile is not None else "datasheet",
+                        "time_basis": basis.label, "time_error": basis.error, "time_lacks": list(basis.lacks)},
             "workload": self.workload.__dict__,
             "evaluated": len(self.candidates), "fitting": len(self.fitting),
             "candidates": [c.to_json() for c in chosen],

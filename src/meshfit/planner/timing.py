@@ -22,9 +22,15 @@ literature it cites and the way meshfit's torch building blocks communicate:
 * Pipeline bubble (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM"): (p−1)/m of the ideal time for gpipe and 1f1b, (p−1)/(m·v) interleaved.
 
-Not modelled: kernel launch gaps, stragglers, and the kernels' distance from their peaks at the model's
-shapes; ``efficiency`` absorbs them. A rate calibrated on the model itself (``calibrate --model``) holds
-all of a step's compute: element-wise work is not added to it.
+* Per-operator cost: eager PyTorch pays a fixed host-side cost per dispatched operator whatever the sizes,
+  which dominates small micro-batches. With a profile that measured it (``calibrate --model``: ``op_s``),
+  each micro-batch adds the rank's operators (counted on meshfit's block code per recompute policy, fewer
+  for compiled blocks; planner/op_count.py) × ``op_s``. A measured tensor-parallel rate holds its own fixed
+  cost per block instead. Datasheet devices and older profiles charge nothing for it.
+
+Not modelled: stragglers, and the kernels' distance from their peaks at the model's shapes;
+``efficiency`` absorbs them. A rate calibrated on the model itself (``calibrate --model``) holds
+all of a step's per-token compute: element-wise work is not added to it.
 """
 
 from __future__ import annotations
@@ -40,11 +46,13 @@ from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.activations import gathered_kv_bytes
 from meshfit.planner.comm_time import cp_comm, dp_comm, exposed, link, tp_comm
 from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.op_count import rank_ops
 from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_BYTES
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
     from meshfit.planner.hardware import Cluster
+    from meshfit.planner.profile import HardwareProfile
 
 # Achievable fraction of the peak FLOP/s for a whole training step's matmuls and attention. Public large
 # runs report 35–55% MFU in bf16 on A100/H100 (e.g. Megatron-LM, Narayanan et al. 2021: 52% on A100).
@@ -88,7 +96,7 @@ class StepTime:
 
     compute_s: float  # forward+backward(+recompute) time of the most-loaded rank's kernels, all micro-batches
     recompute_s: float  # part of compute_s spent re-running forwards (activation checkpointing)
-    elementwise_s: float  # part of compute_s in memory-bound element-wise kernels (0 when measured within it)
+    elementwise_s: float  # part of compute_s in memory-bound element-wise kernels (within a measured rate: op's re-run)
     tp_comm_s: float  # exposed tensor-parallel collective time
     cp_comm_s: float  # exposed context-parallel collective time (keys and values gathered, gradients scattered)
     dp_comm_s: float  # exposed data-parallel (all-reduce / reduce-scatter / all-gather) time
@@ -99,6 +107,7 @@ class StepTime:
     total_s: float  # step time
     tokens_per_s: float  # global tokens per second (workload.tokens / total_s)
     mfu: float  # model FLOPs utilisation: tokens_per_s * model_flops_per_token / (world_size * peak)
+    operators_s: float = 0.0  # part of compute_s in the per-operator cost (measured profiles only)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -171,6 +180,20 @@ def _elementwise_s(ew: tuple[float, float, float, float], rank: tuple[int, bool,
     return tokens * moved / bandwidth, tokens * redo / bandwidth
 
 
+def _operators_s(model: ModelConfig, layout: Layout, workload: Workload, prof: HardwareProfile | None,
+                 rank: tuple[int, bool, bool], m: int, tp_measured: bool) -> tuple[float, float]:
+    """(seconds, of which re-run in backward) of the per-operator cost of the rank's ``m`` micro-batches:
+    0 without a measured cost per operator, and under a measured tensor-parallel rate (its fixed cost per
+    block holds it)."""
+    t_op = prof.op_seconds(workload.precision) if prof is not None and not tp_measured else None
+    if not t_op:
+        return 0.0, 0.0
+    blocks, _, has_head = rank
+    ops = rank_ops(model, layout.activation_checkpointing, blocks, has_head, workload.compiled)
+    plain = rank_ops(model, "none", blocks, has_head, workload.compiled)
+    return m * ops * t_op, m * max(0.0, ops - plain) * t_op
+
+
 def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: float,
            dp_overlap: float) -> tuple[int, int]:
     """(sequences per data-parallel rank, micro-batches per step), or ValueError naming the mismatch."""
@@ -228,7 +251,9 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     rate = (tp_rate[0] if tp_rate is not None else peak) * efficiency
     # Memory-bound element-wise work, unless a rate measured on the model itself holds it already.
     in_rate = prof is not None and (prof.model_flops is not None or tp_rate is not None)
-    ew = (0.0, 0.0, 0.0, 0.0) if in_rate else _elementwise_bytes(model, layout, cbytes)
+    ew = _elementwise_bytes(model, layout, cbytes)
+    if in_rate:  # only the "op" policy's re-run element-wise forward is not in the measured rate
+        ew = (0.0, ew[1] if layout.activation_checkpointing == "op" else 0.0, 0.0, 0.0)
     if workload.compiled:  # the blocks' element-wise chains fuse; embeddings, head and loss stay eager
         ew = (ew[0] * COMPILED_ELEMENTWISE, ew[1] * COMPILED_ELEMENTWISE, ew[2], ew[3])
     bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
@@ -265,8 +290,10 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
 
     ew_s, ew_redo_s = _elementwise_s(ew, rank, 1.0 if ac == "op" else rerun, tokens, bandwidth)
-    compute_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
-    recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s
+    ops_s, ops_redo_s = _operators_s(model, layout, workload, prof, rank, m, tp_rate is not None)
+    compute_s = (seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
+                 + ops_s)
+    recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s + ops_redo_s
 
     mb_tokens = layout.micro_batch * s // layout.cp
     tp_comm_s = 0.0
@@ -314,4 +341,4 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s,
                     cp_comm_s=cp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s,
                     offload_s=offload_s, optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
-                    mfu=tokens_per_s * fpt / (layout.world_size * peak))
+                    mfu=tokens_per_s * fpt / (layout.world_size * peak), operators_s=ops_s)

@@ -1,0 +1,132 @@
+"""Operators a training step dispatches, counted on meshfit's own model code.
+
+Eager PyTorch pays a fixed host-side cost per operator (Python, the dispatcher, autograd's bookkeeping and,
+on a GPU, the kernel launch) whatever the tensor sizes, so a small micro-batch runs far below the per-FLOP
+rate of a large one. The time model charges ``operators × seconds per operator`` (`meshfit calibrate
+--model` measures the latter) on top of the per-token work. The counts come from running the real blocks
+once, forward + loss + backward, on CPU tensors of a shrunken copy of the model (same family, heads,
+key/value heads, tying and dropout; small sizes) under a TorchDispatchMode that counts every aten call:
+views and autograd's detaches included, as they pay the same dispatch. Activation recompute is applied
+with meshfit's own wrappers, so a checkpointed block's re-run forward is in its count.
+
+A compiled block (train.compile) runs inductor's fused kernels instead: each matmul or attention kernel
+and about one generated kernel next to it, so its count is COMPILED_PER_HEAVY × its heavy operators
+(assumed from inductor's fusion of every element-wise chain between two matmuls, not measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshfit.models.config import ModelConfig
+
+# Launches per heavy operator (matmul, attention) of a compiled block: the extern kernel and the fused
+# element-wise kernel that follows it.
+COMPILED_PER_HEAVY = 2.0
+# Policies counted directly; "selective" mixes "full" (every second block) and "none" (planner/timing.py).
+COUNTED_POLICIES = ("none", "full", "op", "attention")
+_SEQ = 16  # tokens per sequence of the counting run (counts do not depend on sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCounts:
+    """Operators of one forward + backward of one sequence batch (any size)."""
+
+    block: float  # one block (its re-run forward under the policy included)
+    block_heavy: float  # of which matmuls and attention kernels
+    rest: float  # embeddings, final norm, head and loss
+
+    def block_ops(self, compiled: bool) -> float:
+        return self.block_heavy * COMPILED_PER_HEAVY if compiled else self.block
+
+
+def _heavy(name: str) -> bool:
+    return any(k in name for k in ("mm.", "addmm", "bmm", "scaled_dot_product", "_flash_attention",
+                                   "_efficient_attention"))
+
+
+class _Counter:
+    """Counts aten calls (total, heavy) while active; a thin wrapper so torch is imported lazily."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                counter.total += 1
+                counter.heavy += _heavy(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.total = 0
+        self.heavy = 0
+        self.mode = Mode()
+
+    def __enter__(self) -> _Counter:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
+def count_ops(fn: Any) -> tuple[int, int]:
+    """(operators, heavy operators) that calling ``fn()`` dispatches."""
+    with _Counter() as c:
+        fn()
+    return c.total, c.heavy
+
+
+def shrunk(model: ModelConfig, n_layers: int) -> ModelConfig:
+    """``model``'s structure at small sizes (head dim 8, FFN 16, vocabulary 64)."""
+    return dataclasses.replace(model, n_layers=n_layers, dim=8 * model.n_heads, ffn_hidden=16, vocab_size=64,
+                               max_seq_len=_SEQ)
+
+
+def _step_ops(model: ModelConfig, n_layers: int, policy: str) -> tuple[int, int]:
+    import torch
+
+    from meshfit.models import build_model, init_weights
+    from meshfit.parallel.activation import apply_activation_checkpointing
+    from meshfit.train.loss import lm_loss
+
+    cfg = shrunk(model, n_layers)
+    net = build_model(cfg, "meta")
+    net.to_empty(device="cpu")
+    init_weights(net, 0, cfg, None)
+    if policy != "none":
+        apply_activation_checkpointing(net, policy, 1)
+    x = torch.randint(0, cfg.vocab_size, (1, _SEQ))
+    return count_ops(lambda: lm_loss(net(x), x, cfg.vocab_size).backward())
+
+
+def op_counts(model: ModelConfig, policy: str) -> OpCounts:
+    """Operators per block and outside the blocks for ``policy`` (one of COUNTED_POLICIES): the difference
+    between the model with two blocks and with one."""
+    if policy not in COUNTED_POLICIES:
+        raise ValueError(f"policy {policy!r}: counted are {', '.join(COUNTED_POLICIES)}")
+    return _counted(shrunk(model, 1), policy)  # one count per structure, whatever the sizes
+
+
+@functools.lru_cache(maxsize=64)
+def _counted(model: ModelConfig, policy: str) -> OpCounts:
+    one, one_heavy = _step_ops(model, 1, policy)
+    two, two_heavy = _step_ops(model, 2, policy)
+    return OpCounts(block=float(two - one), block_heavy=float(two_heavy - one_heavy), rest=float(2 * one - two))
+
+
+def rank_ops(model: ModelConfig, policy: str, blocks: int, has_rest: bool, compiled: bool) -> float:
+    """Operators of one micro-batch's forward + backward on a rank holding ``blocks`` blocks (and the
+    embeddings/head when ``has_rest``). meshfit's "selective" checkpoints every second block in full."""
+    if policy == "selective":
+        full, none = op_counts(model, "full"), op_counts(model, "none")
+        ops = (blocks // 2) * full.block_ops(compiled) + (blocks - blocks // 2) * none.block_ops(compiled)
+        rest = none.rest
+    else:
+        counts = op_counts(model, policy)
+        ops, rest = blocks * counts.block_ops(compiled), counts.rest
+    return ops + (rest if has_rest else 0.0)
