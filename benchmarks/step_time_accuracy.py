@@ -92,26 +92,32 @@ def _round(names: list[str], steps: int, quick: bool, reverse: bool, root: Path)
     return out
 
 
-def _score(pred: list[float], real: list[float]) -> tuple[int, float]:
+def score(pred: list[float], real: list[float]) -> tuple[int, float]:
     """(layouts within 25%, Spearman rank correlation)."""
     within = sum(abs(p / m - 1) <= 0.25 for p, m in zip(pred, real, strict=True))
     return within, statistics.correlation(ranks(pred), ranks(real))
+
+
+def checked_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """--rounds, --steps and --only as both step-time benchmarks take them (the parser has the first two)."""
+    parser.add_argument("--quick", action="store_true", help="quick calibration")
+    parser.add_argument("--only", default="", help="comma-separated layout names")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps <= load_config(None).train.memory_tracked_steps:
+        parser.error("--rounds must be at least 1 and --steps more than train.memory_tracked_steps")
+    return args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="calibrate-then-train rounds; medians are compared")
-    parser.add_argument("--quick", action="store_true", help="quick calibration")
-    parser.add_argument("--only", default="", help="comma-separated layout names")
-    args = parser.parse_args()
-    if args.rounds < 1 or args.steps <= load_config(None).train.memory_tracked_steps:
-        parser.error("--rounds must be at least 1 and --steps more than train.memory_tracked_steps")
+    args = checked_args(parser)
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         rounds = [_round(names, args.steps, args.quick, r % 2 == 1, Path(tmp) / str(r)) for r in range(args.rounds)]
     for r, result in enumerate(rounds, 1):
-        within, rho = _score([result[n][0].total_s for n in names], [result[n][1] for n in names])
+        within, rho = score([result[n][0].total_s for n in names], [result[n][1] for n in names])
         print(f"round {r} alone: within 25%: {within} of {len(names)}; Spearman {rho:.2f}")
     # Per layout: the median prediction (over the rounds' calibrations) and the median measured time (the
     # lower middle value of an even count, for both).
@@ -132,7 +138,7 @@ def main() -> None:
                                                       p.bubble_s, p.optimizer_s))
         print(f"{name:18s} {world:5d} {p.total_s * 1e3:8.0f} {m * 1e3:8.0f} {p.total_s / m:6.2f} {a + 1:6.0f} "
               f"{b + 1:6.0f}  {parts}")
-    within, rho = _score(pred, real)
+    within, rho = score(pred, real)
     print(f"within 25%: {within} of {len(rows)}; Spearman rank correlation {rho:.2f}")
 
 

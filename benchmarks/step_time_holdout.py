@@ -19,10 +19,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from step_time_accuracy import measured, ranks
+from step_time_accuracy import checked_args, measured, score
 
 from meshfit.calibrate import calibrate
-from meshfit.config import load_config
 from meshfit.models.presets import get_preset
 from meshfit.planner.hardware import Cluster, cpu_device
 from meshfit.planner.layout import Layout, Workload
@@ -79,28 +78,18 @@ def _round(names: list[str], steps: int, quick: bool, seq: int, reverse: bool, r
     return out
 
 
-def _score(pred: list[float], real: list[float]) -> tuple[int, float]:
-    """(layouts within 25%, Spearman rank correlation)."""
-    within = sum(abs(p / m - 1) <= 0.25 for p, m in zip(pred, real, strict=True))
-    return within, statistics.correlation(ranks(pred), ranks(real))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calib-seq", type=int, default=128, help="sequence length of the calibration")
-    parser.add_argument("--quick", action="store_true", help="quick calibration")
-    parser.add_argument("--only", default="", help="comma-separated layout names")
-    args = parser.parse_args()
-    if args.rounds < 1 or args.steps <= load_config(None).train.memory_tracked_steps:
-        parser.error("--rounds must be at least 1 and --steps more than train.memory_tracked_steps")
+    args = checked_args(parser)
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             rounds.append(_round(names, args.steps, args.quick, args.calib_seq, r % 2 == 1, Path(tmp) / str(r)))
-            within, rho = _score([rounds[-1][n][0] for n in names], [rounds[-1][n][1] for n in names])
+            within, rho = score([rounds[-1][n][0] for n in names], [rounds[-1][n][1] for n in names])
             print(f"round {r + 1}: within 25%: {within} of {len(names)}; Spearman {rho:.2f}", flush=True)
     pred = [statistics.median_low(result[n][0] for result in rounds) for n in names]
     real = [statistics.median_low(result[n][1] for result in rounds) for n in names]
@@ -108,7 +97,7 @@ def main() -> None:
     print(f"{'layout':24s} {'pred ms':>8s} {'meas ms':>8s} {'error':>6s}")
     for name, p, m in zip(names, pred, real, strict=True):
         print(f"{name:24s} {p * 1e3:8.0f} {m * 1e3:8.0f} {p / m - 1:+6.0%}")
-    within, rho = _score(pred, real)
+    within, rho = score(pred, real)
     print(f"within 25%: {within} of {len(names)}; Spearman rank correlation {rho:.2f}")
 
 
