@@ -122,7 +122,10 @@ def test_ddp_buckets_count_as_gradients():
         for step, (ops, light, rest) in enumerate(steps, 1):
             _same_peak(ops, light)
             moved = light["params"] if step == 2 else 0  # the old buckets: as large as the gradients
-            assert light["other"] == ops["other"] + moved and light["activations"] == ops["activations"] - moved
+            # A few hundred bytes alive at a step boundary can fall to `other` (seen once in the suite on a
+            # loaded machine: 96 bytes); the buckets are tens of KiB.
+            assert light["other"] == pytest.approx(ops["other"] + moved, abs=1024)
+            assert light["activations"] == pytest.approx(ops["activations"] - moved, abs=1024)
             for category in ("params", "grads", "optim"):
                 assert light[category] == ops[category], (rank, step, category, ops, light)
             assert rest["grads"] == light["params"]  # the buckets outlive the step (zeroed, not freed)
