@@ -48,6 +48,17 @@ SCALE_CASES = [
     ("llama3-8b", "pp 4 × fsdp 16", Layout(pp=4, dp_shard=16, zero_stage=3), Workload(seq_len=2048, global_batch=128)),
     ("llama3-8b", "zero1 2 × tp 2 + sp × pp 2", Layout(dp_shard=2, zero_stage=1, tp=2, sp=True, pp=2),
      Workload(seq_len=4096, global_batch=32)),
+    ("llama3-8b", "zero3 ×64, seq 8192, full AC", Layout(dp_shard=64, zero_stage=3, activation_checkpointing="full"),
+     Workload(seq_len=8192, global_batch=64)),
+    ("llama3-8b", "pp 4 × fsdp 16, m = p", Layout(pp=4, dp_shard=16, zero_stage=3), Workload(seq_len=2048, global_batch=64)),
+    ("llama3-8b", "pp 4 interleaved × fsdp 16, m = p",
+     Layout(pp=4, dp_shard=16, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2),
+     Workload(seq_len=2048, global_batch=64)),
+    ("llama3-8b", "pp 2 × fsdp 2 × tp 2 + sp", Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True),
+     Workload(seq_len=4096, global_batch=16)),
+    ("llama3-8b", "pp 4 zbv × zero1 2, full AC",
+     Layout(pp=4, dp_shard=2, zero_stage=1, schedule="zbv", virtual_stages=2, activation_checkpointing="full"),
+     Workload(seq_len=4096, global_batch=32)),
     ("llama3-70b", "zero3 ×256", Layout(dp_shard=256, zero_stage=3), Workload(seq_len=2048, global_batch=256)),
     ("llama3-70b", "fsdp 32 × tp 8 + sp, AC", Layout(dp_shard=32, tp=8, zero_stage=3, sp=True, loss_parallel=True,
                                                    activation_checkpointing="full"),
@@ -100,11 +111,13 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="also the large models (verify only)")
     parser.add_argument("--skip-real", action="store_true", help="no real CPU runs")
     parser.add_argument("--scale-only", action="store_true", help="only the large models")
+    parser.add_argument("--only", help="only the large-model cases whose 'model layout' name contains this")
+    parser.add_argument("--verbose", action="store_true", help="each large case's components, planned and dry-run")
     args = parser.parse_args()
     if not args.scale_only:
         small(args.skip_real)
     if args.scale or args.scale_only:
-        scale()
+        scale(args.only, args.verbose)
 
 
 def small(skip_real: bool) -> None:
@@ -118,15 +131,23 @@ def small(skip_real: bool) -> None:
               f"{_err(pred, fake):>9s} {_err(pred, real):>8s}", flush=True)
 
 
-def scale() -> None:
-    print(f"\n{'model':11s} {'layout (mixed precision)':26s} {'predicted':>10s} {'verify':>10s} {'error':>7s} "
-          f"{'dry run':>8s} {'RSS':>10s}")
+def scale(only: str | None = None, verbose: bool = False) -> None:
+    print(f"\n{'model':11s} {'layout (mixed precision)':34s} {'predicted':>10s} {'verify':>10s} {'error':>7s} "
+          f"{'dry run':>8s} {'RSS':>10s}  phases (plan / dry run)")
     for preset, name, layout, workload in SCALE_CASES:
-        pred = estimate_memory(get_preset(preset), layout, workload).as_dict()["total"]
+        if only and only not in f"{preset} {name}":
+            continue
+        est = estimate_memory(get_preset(preset), layout, workload)
+        pred = est.as_dict()["total"]
         res = verify_in_subprocess(preset, layout, workload)
         fake = res["measured"]["total"]
-        print(f"{preset:11s} {name:26s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {_err(pred, fake):>7s} "
-              f"{res['wall_s']:7.1f}s {fmt_bytes(res['max_rss_bytes']):>10s}", flush=True)
+        print(f"{preset:11s} {name:34s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {_err(pred, fake):>7s} "
+              f"{res['wall_s']:7.1f}s {fmt_bytes(res['max_rss_bytes']):>10s}  {est.phase} / {res['phase']}",
+              flush=True)
+        if verbose:
+            print("    plan   ", {k: fmt_bytes(v) for k, v in est.as_dict().items()}, f"pp rank {est.pp_rank}")
+            print("    dry run", {k: fmt_bytes(v) for k, v in res["measured"].items()}, f"rank {res['rank']}",
+                  flush=True)
 
 
 if __name__ == "__main__":
