@@ -29,6 +29,7 @@ from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
+from meshfit.planner.phase_terms import RootReduce, pipelined_stage3_phases, root_reduce_phase
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
@@ -225,6 +226,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     g_store = STORAGE_BYTES[workload.precision]
     stash = (grads_full * c_bytes / g_store
              if stashes_gradients(stage, workload.precision == "mixed", micro, layout.pp > 1) else 0.0)
+    in_flight = 1
     if layout.pp > 1:
         per_stage = act_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
@@ -299,16 +301,28 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
                if background and stage >= 2 and micro > 1 and not stash and share.layers > 1 else 0.0)
     gloo_copy = (share.unit_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
                  if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 else 0.0)
-    # In the first blocks' backward the logits, the log-softmax output and one fp32 gradient of the logits
-    # are still alive (measured), next to the saved tensors of micro-batches whose loss has not run
-    # backward yet; the final norm's and the loss's other temporaries are gone.
+    # In the blocks' backward the trainer's reference keeps the logits (compute dtype) alive until backward
+    # returns; the loss's log-softmax output and the logits' gradients are gone, and FSDP's root unit holds
+    # the head's unsharded weight gradient until it reduces at the end of backward (measured with the dry
+    # run's timeline, `small` at seq 1024, fp32 and mixed precision, with and without recompute). GPipe adds
+    # the saved tensors of micro-batches whose loss has not run backward yet.
     vocab = model.padded_vocab / layout.tp if layout.loss_parallel else model.padded_vocab
-    last_loss = tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
+    head_grad = model.padded_vocab * model.dim / layout.tp * c_bytes
+    logits_held = tokens * vocab * c_bytes if share.last and layout.pp == 1 else 0.0
+    if layout.pp == 1:
+        last_loss = logits_held + (head_grad if fsdp and not accumulated else 0.0)
+    else:
+        last_loss = tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
     block_acts = acts - head + (last_loss if share.last else 0.0)
     # Stage 3: the all-gather buffer of the next block, and without mixed precision the root's all-gather
     # output next to its unsharded parameters at the end of the forward (measured).
     spare = share.unit_params * c_bytes if fsdp and not keep and gathered else 0.0
     root_copy = share.root_params * c_bytes if spare and c_bytes == 4 else 0.0
+    # fp32 without recompute: a block's backward peaks before its gradients exist, with temporaries of
+    # about six h-wide activations (measured with the dry run's timeline, `small` and `tiny`, fp32).
+    fp32_temps = (6 * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
+                  if fsdp and mode == "fp32" and layout.activation_checkpointing == "none" and layout.pp == 1
+                  else 0.0)
     phases = {
         # Stage 3 (and stage-0 replicas) re-shard the root too once the model's forward returns, before
         # the loss runs (measured with torch's tracker): only stages 1 and 2 hold gathered weights here.
@@ -321,8 +335,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
                      # With every other block checkpointed the recompute of the last block comes before
                      # any block gradient (measured); with all blocks checkpointed they overlap.
                      grads_loss + (0.0 if layout.activation_checkpointing == "selective" or working
-                                   or with_grads is not None else unit_grads),
-                     optim, block_acts + recompute + working, buckets),
+                                   or with_grads is not None or fp32_temps else unit_grads),
+                     optim, block_acts + recompute + working + fp32_temps, buckets),
         # ... and once its gradients exist, most of the last block's activations are freed.
         "block gradients": (params + (gathered if with_grads is None else with_grads),
                             grads_loss + unit_grads + pending, optim,
@@ -341,6 +355,12 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         gone = act_mb / share.layers if stage == 1 else 0.0
         phases["reduce in flight"] = (params + gathered, grads_loss + pending, optim,
                                       block_acts + recompute + working - gone + reducing, buckets)
+    if fsdp and layout.pp > 1 and not keep:
+        phases.update(pipelined_stage3_phases(
+            params, optim, buckets, grads_loss, c_bytes, share.root_params, share.unit_params, share.layers,
+            share.block_params, share.first, per_stage=act_mb / share.stages, acts=acts - head,
+            last=block_acts - acts + head + recompute + working, later=micro * share.stages > in_flight,
+            forward_acts=acts - (head - head_saved)))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
@@ -349,39 +369,19 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # The head's backward: its weight gradient (compute dtype, unsharded) next to every saved tensor;
         # stage 3 has not gathered the last block again yet. In fp32 one logits-sized fp32 tensor of the
         # loss is gone by then (measured with torch's tracker on the `small` preset, vocabulary 8192).
-        head_grad = model.padded_vocab * model.dim / layout.tp * c_bytes
         freed = tokens * vocab * 4 if c_bytes == 4 else 0.0
         held_params = params + (gathered_loss if keep else share.root_params * c_bytes)
         phases["head backward"] = (held_params, grads_loss, optim, block_acts + head_grad - freed, buckets)
     if fsdp and layout.pp == 1:
-        phases["root reduce"] = _root_reduce(layout, workload, share, st, c_bytes,
-                                             # Stage 3 re-shards the root before reducing; stages 1/2 keep
-                                             # every unit gathered when later micro-batches reused them.
-                                             params + (gathered if keep and micro > 1 else 0.0),
-                                             accumulated, optim, buckets, stash)
+        r_bytes = _reduce_bytes(workload, layout, c_bytes)
+        phases["root reduce"] = root_reduce_phase(
+            RootReduce(layout.zero_stage, layout.tp, layout.shard, micro, share.root_params, share.params,
+                       c_bytes, r_bytes),
+            # Stage 3 re-shards the root before reducing; stages 1/2 keep every unit gathered when later
+            # micro-batches reused them.
+            params + (gathered if keep and micro > 1 else 0.0), st.params, st.grads, accumulated, optim,
+            buckets, stash, logits_held)
     return phases
-
-
-def _root_reduce(layout: Layout, workload: Workload, share: _Share, st: _States, c_bytes: int, params: float,
-                 accumulated: float, optim: float, buckets: float, stash: float
-                 ) -> tuple[float, float, float, float, float]:
-    """The end of backward, when the root unit (embeddings, head) reduces its gradients: its unsharded
-    gradients and their copy in the reduce dtype (or, without a cast, the reduced shard) coexist with every
-    block's sharded gradients (measured with torch's tracker). With ZeRO-2's stash there are two such
-    moments: a micro-batch before the last (every unit still gathered, the blocks' shards already stashed)
-    and the last (every unit re-sharded, the blocks' fp32 shards next to the stash)."""
-    r_bytes = _reduce_bytes(workload, layout, c_bytes)
-    blocks_sharded = st.grads * (1 - share.root_params / share.params)
-    root = share.root_params * c_bytes
-    cast = share.root_params * r_bytes if r_bytes != c_bytes else 0.0
-    # Over a single shard FSDP reduces in place: the copy is the output. A copy in a wider reduce dtype is
-    # made while the compute-dtype gradients live; they are freed before the reduced shard is allocated.
-    output = share.root_params * r_bytes / layout.shard if layout.shard > 1 else 0.0
-    if stash:
-        earlier = (params, stash + root, optim, cast or output, buckets)
-        last = (st.params, blocks_sharded + stash + root, optim, cast or output, buckets)
-        return max(earlier, last, key=sum)
-    return (params, accumulated or blocks_sharded + root, optim, cast or output, buckets)
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, backend: str = "nccl"

@@ -1,0 +1,86 @@
+"""Two phases of the memory estimate (planner/estimate.py) whose terms depend on how FSDP2 reduces.
+
+The root reduction (`root_reduce_phase`): the end of backward, when the root unit reduces its gradients.
+
+A pipeline rank whose stages are sharded at ZeRO-3 (`pipelined_stage3_phases`): torch's stage defers FSDP's gradient reduction to the step's last backward, so gradients accumulate
+unsharded (in the reduce dtype) from the first backward on, and units stay gathered after their backward
+until the next forward re-shards them. The dry run's timeline (Llama-3 8B, PP 4 × FSDP 16, 1F1B, seq 2048,
+mixed precision, 4 and 8 micro-batches per step, first stage) shows two peaks of nearly the same height:
+
+* the end of a backward: every unit of the stage gathered, every gradient accumulated, the last unit's
+  (on the first stage the embedding's) compute-dtype gradient next to its reduce-dtype accumulator, and
+  the micro-batch just finished gone from the micro-batches in flight;
+* the start of a later backward: the units re-sharded by the forwards in between (the root and up to
+  two units gathered), every gradient accumulated, and every micro-batch in flight (one fewer when the
+  step has no forward left between the first and second backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Parts = tuple[float, float, float, float, float]
+
+
+@dataclass(frozen=True)
+class RootReduce:
+    """What the root reduction's terms depend on (parameters counted on one pipeline rank's share)."""
+
+    zero_stage: int
+    tp: int
+    shard: int  # ranks the states are sharded over (dp_shard × cp)
+    micro: int  # micro-batches per step
+    root_params: float
+    share_params: float
+    c_bytes: int  # compute dtype
+    r_bytes: int  # reduce dtype
+
+
+def root_reduce_phase(r: RootReduce, params: float, st_params: float, st_grads: float, accumulated: float,
+                      optim: float, buckets: float, stash: float, logits: float) -> Parts:
+    """The end of backward, when the root unit (embeddings, head) reduces its gradients: its unsharded
+    gradients and their copy in the reduce dtype (or, without a cast, the reduced shard) coexist with every
+    block's sharded gradients and the last micro-batch's logits (measured with torch's tracker). With
+    ZeRO-2's stash there are two such moments: a micro-batch before the last (every unit still gathered,
+    the blocks' shards already stashed) and the last (every unit re-sharded, the blocks' fp32 shards next
+    to the stash). ``st_params``/``st_grads``: the rank's resident weights and reduced gradients."""
+    blocks_sharded = st_grads * (1 - r.root_params / r.share_params)
+    root = r.root_params * r.c_bytes
+    cast = r.root_params * r.r_bytes if r.r_bytes != r.c_bytes else 0.0
+    # Over a single shard FSDP reduces in place: the copy is the output. A copy in a wider reduce dtype is
+    # made while the compute-dtype gradients live; they are freed before the reduced shard is allocated.
+    output = r.root_params * r.r_bytes / r.shard if r.shard > 1 else 0.0
+    if stash:
+        earlier = (params, stash + root, optim, (cast or output) + logits, buckets)
+        last = (st_params, blocks_sharded + stash + root, optim, (cast or output) + logits, buckets)
+        return max(earlier, last, key=sum)
+    # Stage 3 over several micro-batches adds each one's reduced shards into the earlier ones: every shard
+    # exists by the last root reduction.
+    sharded = st_grads if (r.zero_stage == 3 and r.micro > 1) else blocks_sharded
+    if r.zero_stage == 3 and r.tp > 1 and not accumulated:
+        # Tensor-parallel (DTensor) units, measured with the dry run's timeline (`small`, vocabulary 8192,
+        # FSDP 4 × TP 2 + SP, mixed precision, 2 micro-batches): the root stays gathered, the blocks' new
+        # reduced shards wait next to the accumulated ones, and the reduce-scatter's input is the 16-bit
+        # gradients plus a reduce-dtype chunk per rank, with no full-size cast.
+        new = blocks_sharded if r.micro > 1 else 0.0
+        return (params + root, sharded + new + root + output, optim, output + logits, buckets)
+    return (params, accumulated or sharded + root, optim, (cast or output) + logits, buckets)
+
+
+def pipelined_stage3_phases(params: float, optim: float, buckets: float, grads: float, c_bytes: int,
+                            root: float, unit: float, layers: int, block: float, first: bool, *,
+                            per_stage: float, acts: float, last: float, later: bool, forward_acts: float
+                            ) -> dict[str, Parts]:
+    """(params, grads, optim, activations, buffers) at the two peaks above, as "backward" (its start) and
+    "block gradients" (the stage's backward end). ``acts``: the in-flight micro-batches' saved tensors and
+    stage-boundary tensors; ``last``: what the running backward adds (the loss's remains, recompute,
+    temporaries); ``later``: a forward runs between the first and second backward; ``forward_acts``: what a
+    forward's end holds (the root and the unit just run are gathered then)."""
+    everything = (root + layers * block) * c_bytes
+    transient = (root if first and root else unit) * c_bytes
+    start_acts = acts if later else max(0.0, acts - per_stage)
+    return {
+        "forward end": (params + (root + unit) * c_bytes, grads, optim, forward_acts, buckets),
+        "backward": (params + (root + min(2, layers) * unit) * c_bytes, grads, optim, start_acts + last, buckets),
+        "block gradients": (params + everything, grads + transient, optim, max(0.0, acts - per_stage), buckets),
+    }
