@@ -30,8 +30,9 @@ def test_between_measured_sizes_log_linear_beyond_them_the_line_through_the_end_
     assert along_points(points, 100_000, line) == pytest.approx(1e-1)
     # Halfway in log(bytes) is halfway in log(seconds): the geometric mean.
     assert along_points(points, 10_000, line) == pytest.approx(1e-2)
-    # Beyond the largest: the line scaled to meet that point; below the smallest likewise.
-    assert along_points(points, 1_000_000, line) == pytest.approx(1e-1 * line(1e6) / line(1e5))
+    # Above the largest: that point plus what the line adds from there (its bandwidth, measured at a larger size
+    # still); below the smallest: the line scaled to meet that point.
+    assert along_points(points, 1_000_000, line) == pytest.approx(1e-1 + (1e6 - 1e5) / 1e9)
     assert along_points(points, 10, line) == pytest.approx(1e-3 * line(10) / line(1000))
     # No points: the line itself.
     assert along_points({}, 5000, line) == pytest.approx(line(5000))

@@ -7,7 +7,7 @@ Part of the step-time model (planner/timing.py), in the same roofline spirit:
   all-reduce, which is a reduce-scatter followed by an all-gather). A profile calibrated with a model also
   holds times measured at the message sizes its layouts send; a call's time then comes from those
   (`collective_s`): between two measured sizes log-linear in both bytes and seconds, beyond them along the
-  line scaled to meet the nearest measured point. On 2 gloo ranks the line through an 8 MiB and a 4 KiB
+  line from the nearest measured point (above the largest its slope, below the smallest its shape scaled). On 2 gloo ranks the line through an 8 MiB and a 4 KiB
   message put all-reduce, all-gather and reduce-scatter of 0.5–1.4 MiB at 1.3–1.8× their measured times
   (calibrate_sizes.py), which is why the sizes are measured.
 * Tensor parallelism (Megatron, Shoeybi et al. 2019; with sequence parallelism Korthikanti et al. 2022):
@@ -77,9 +77,10 @@ def ring_terms(op: str, n: int) -> tuple[float, int]:
 
 def along_points(points: Mapping[int, float], nbytes: float, line: Callable[[float], float]) -> float:
     """Seconds for an ``nbytes`` message from ``points`` ({bytes: seconds} measured): between the two nearest
-    measured sizes interpolated linearly in (log bytes, log seconds); below the smallest or above the largest
-    ``line`` (seconds by bytes) scaled to pass through that point; ``line`` alone without points. Each
-    point is first lowered to the least time measured at its size or above."""
+    measured sizes interpolated linearly in (log bytes, log seconds); above the largest the largest's time
+    plus what ``line`` (seconds by bytes) adds from there, below the smallest ``line`` scaled to pass through
+    the smallest; ``line`` alone without points. Each point is first lowered to the least time measured at
+    its size or above."""
     if not points or nbytes <= 0:
         return line(nbytes)
     sizes = sorted(points)
@@ -88,9 +89,10 @@ def along_points(points: Mapping[int, float], nbytes: float, line: Callable[[flo
     points = dict(points)
     for small, large in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
         points[small] = min(points[small], points[large])
-    if nbytes <= sizes[0] or nbytes >= sizes[-1]:
-        end = sizes[0] if nbytes <= sizes[0] else sizes[-1]
-        return points[end] * line(nbytes) / line(end) if line(end) > 0 else points[end]
+    if nbytes >= sizes[-1]:  # the line's slope from the largest point: its bandwidth was measured larger still
+        return points[sizes[-1]] + line(nbytes) - line(sizes[-1])
+    if nbytes <= sizes[0]:  # the line's shape scaled through the smallest point (latency-bound, stays > 0)
+        return points[sizes[0]] * line(nbytes) / line(sizes[0]) if line(sizes[0]) > 0 else points[sizes[0]]
     hi = bisect.bisect_left(sizes, nbytes)
     a, b = sizes[hi - 1], sizes[hi]
     w = math.log(nbytes / a) / math.log(b / a)
