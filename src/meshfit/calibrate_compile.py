@@ -8,8 +8,9 @@ forward + backward, and counts the calls in the code inductor generated for it: 
 defines (C++ on CPU, Triton on CUDA) and every extern kernel or aten fallback (matmuls, attention) that
 the wrapper calls. The generated code is read through torch's own hook for it (``run_and_get_code``),
 which also sees graphs loaded from the inductor cache, so a warm cache (TORCHINDUCTOR_CACHE_DIR) counts the
-same without compiling again. Kernel counters such as ``torch._inductor.metrics.generated_kernel_count``
-only count what is compiled, not what is loaded from the cache, and leave out extern kernels.
+same without compiling again. ``torch._inductor.metrics.generated_kernel_count`` is no launch count: for
+`small`'s block it read 29, cold and warm, where the generated code calls 11 generated kernels (and 23
+extern ones it does not count).
 
 Every counted recompute policy is compiled (`small` on 2 cores: 30 s with a cold cache, mostly the first
 policy, as the kernels repeat across policies; 10 s warm; --quick compiles the first only). Each count is
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
 
 from meshfit.models.config import ModelConfig
 from meshfit.planner.op_count import COUNTED_POLICIES, op_counts, shrunk

@@ -7,9 +7,10 @@ Part of the step-time model (planner/timing.py), in the same roofline spirit:
   all-reduce, which is a reduce-scatter followed by an all-gather). A profile calibrated with a model also
   holds times measured at the message sizes its layouts send; a call's time then comes from those
   (`collective_s`): between two measured sizes log-linear in both bytes and seconds, beyond them along the
-  line from the nearest measured point (above the largest its slope, below the smallest its shape scaled). On 2 gloo ranks the line through an 8 MiB and a 4 KiB
-  message put all-reduce, all-gather and reduce-scatter of 0.5–1.4 MiB at 1.3–1.8× their measured times
-  (calibrate_sizes.py), which is why the sizes are measured.
+  line from the nearest measured point (above the largest its slope, below the smallest its shape
+  scaled). On 2 gloo ranks the line through an 8 MiB and a 4 KiB message put all-reduce, all-gather and
+  reduce-scatter of 0.5–1.4 MiB at 1.3–1.8× their measured times (calibrate_sizes.py), which is why the
+  sizes are measured.
 * Tensor parallelism (Megatron, Shoeybi et al. 2019; with sequence parallelism Korthikanti et al. 2022):
   per block two all-reduces of s·b·h activations in forward and two in backward (SP: all-gathers plus
   reduce-scatters of the same bytes), two more with full recomputation; never overlapped.
