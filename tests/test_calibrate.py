@@ -3,6 +3,8 @@ measured rates: known answers, orderings, a calibration round trip on real ranks
 
 import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -134,13 +136,28 @@ def test_measured_rates_order_layouts_and_overlap_hides_communication():
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys):
+def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys, monkeypatch):
+    from meshfit.calibrate_sizes import layout_messages
+    from meshfit.planner.op_count import op_counts
+
+    # The compiled block's launches: one inductor cache with tests/test_compile.py (a warm one compiles nothing).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "meshfit-tests-inductor"))
     out = tmp_path / "hw.json"
     assert main(["calibrate", "--nproc", "2", "--quick", "--model", "tiny", "--seq-len", "64", "--out", str(out)]) == 0
     profile = load_profile(out)
     assert profile.device == "cpu" and profile.backend == "gloo" and profile.ranks == 2
     assert set(profile.collectives) == {2} and profile.model_flops.fp32 > 0 and profile.seq == 64
     assert 0 < profile.op_s.fp32 < 1e-2 and not profile.lacks()
+    # Every collective timed at tiny's layouts' message sizes (activations of 1 and 8 sequences of 64 tokens,
+    # one block's parameters), in fp32 and bf16 bytes.
+    sizes = layout_messages(TINY, 64)
+    assert sizes["send_recv"] == [64 * 64 * v * b for v, b in ((2, 1), (4, 1), (2, 8), (4, 8))]
+    assert {op: sorted(t) for op, t in profile.collective_times[2].items()} == sizes
+    assert all(0 < s < 1.0 for t in profile.collective_times[2].values() for s in t.values())
+    # --quick compiles one policy: launches of one block, forward + backward, against its eager heavy operators.
+    assert set(profile.compiled_launches) == {"none"}
+    counted = profile.compiled_launches["none"]
+    assert counted.heavy == op_counts(TINY, "none").block_heavy and counted.heavy < counted.launches < 3 * counted.heavy
     # tiny's 4 heads split over 2 ranks: tensor parallelism measured, with and without sequence parallelism.
     assert set(profile.tp_flops) == {2} and set(profile.tp_flops[2]) == {"plain", "sp"}
     assert 0 < profile.tp_flops[2]["plain"].flops.fp32 < 10 * profile.model_flops.fp32
@@ -201,7 +218,8 @@ def test_a_profile_without_the_operator_cost_loads_and_says_what_it_lacks(tmp_pa
     path.write_text(json.dumps(doc))
     old = load_profile(path)
     assert old.op_s is None and old.op_seconds("mixed") is None
-    assert [w.split(" (")[0] for w in old.lacks()] == ["the cost per dispatched operator", "tensor-parallel rates"]
+    assert [w.split(" (")[0] for w in old.lacks()] == ["the cost per dispatched operator", "tensor-parallel rates",
+                                                      "collectives timed at the layouts' message sizes"]
     kernels = _profile(model=False)
     assert any("model's own training rate" in w for w in kernels.lacks())
 
@@ -230,7 +248,8 @@ def test_plan_says_what_times_rest_on_and_which_it_cannot_order():
     assert time_basis(get_gpu("H100-SXM")).error == DATASHEET_ERROR
     assert "datasheet" in time_basis(get_gpu("H100-SXM")).label
     calibrated = time_basis(cpu_device(2**30, _profile(op_s=1e-5)))
-    assert calibrated.error == MODEL_CALIBRATED_ERROR and calibrated.lacks == ("tensor-parallel rates",)
+    assert calibrated.error == MODEL_CALIBRATED_ERROR and calibrated.lacks[0] == "tensor-parallel rates"
+    assert calibrated.lacks[1].startswith("collectives timed at the layouts' message sizes")
     assert close_runs([1.0, 1.1, 1.2, 2.0, 2.1, 5.0], 0.25) == [(0, 2), (3, 4)]
     assert close_runs([1.0, 1.5, 2.5], 0.25) == []
 

@@ -5,9 +5,10 @@ intra-op threads the launcher gives them): matmuls at a transformer block's shap
 backward products) per dtype, fused causal attention forward + backward, the fused AdamW step's memory
 traffic, the collectives meshfit uses per group size (large messages for bus bandwidth, small ones for
 latency), how much of an all-reduce a concurrent matmul hides, and on CUDA pinned host↔device copies.
-With a model also its own training rate, split from a cost per dispatched operator, and, on several
-ranks, that of its blocks laid out tensor-parallel (calibrate_tp.py). The slowest rank's compute rates
-are kept (it sets the step's pace).
+With a model also its own training rate, split from a cost per dispatched operator, on several ranks that
+of its blocks laid out tensor-parallel (calibrate_tp.py) and the collectives at the message sizes its
+layouts send (calibrate_sizes.py), and the kernels one compiled block launches (calibrate_compile.py). The
+slowest rank's compute rates are kept (it sets the step's pace).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from meshfit.calibrate_sizes import at_sizes, layout_messages
 from meshfit.calibrate_tp import SHORT_SEQ, model_for_rates, split_fixed, slowest_tp, tp_rates
 from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
 from meshfit.planner.comm_time import ring_terms
@@ -224,8 +226,10 @@ def group_sizes(world: int) -> list[int]:
     return sorted(sizes)
 
 
-def _collectives(device: Any, big: int, small: int, target_s: float, say: Callable[[str], None]
-                 ) -> dict[int, dict[str, dict[str, float]]]:
+def _collectives(device: Any, big: int, small: int, target_s: float, say: Callable[[str], None],
+                 messages: dict[str, list[int]] | None = None
+                 ) -> tuple[dict[int, dict[str, dict[str, float]]], dict[int, dict[str, dict[int, float]]]]:
+    """({group size: {op: line}}, {group size: {op: {bytes: seconds}}} at ``messages``' sizes, when given)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -234,18 +238,25 @@ def _collectives(device: Any, big: int, small: int, target_s: float, say: Callab
     # Point to point is between two ranks whatever the group size: measured once.
     send_recv = _link("send_recv", pair, rank, 2, big, small, device, target_s) if rank < 2 else {}
     say(f"send/recv between 2 ranks: {_describe(send_recv)}")
+    sent = at_sizes(_collective, "send_recv", pair, rank, 2, send_recv, messages, device, target_s, say) \
+        if rank < 2 else {}
     out: dict[int, dict[str, dict[str, float]]] = {}
+    times: dict[int, dict[str, dict[int, float]]] = {}
     for size in group_sizes(world):
         group = dist.new_group(list(range(size)), backend=backend)
         results = {"send_recv": send_recv}
+        times[size] = {"send_recv": sent} if sent else {}
         for op in COLLECTIVES:
             if op == "send_recv" or rank >= size:
                 continue
             results[op] = _link(op, group, rank, size, big, small, device, target_s)
             say(f"{op} over {size} ranks: {_describe(results[op])}")
+            if messages:
+                times[size][op] = at_sizes(_collective, op, group, rank, size, results[op], messages, device,
+                                           target_s, say)
         dist.barrier()
         out[size] = results
-    return out
+    return out, {n: t for n, t in times.items() if t}
 
 
 def _link(op: str, group: Any, rank: int, n: int, big: int, small: int, device: Any, target_s: float
@@ -328,7 +339,9 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
     big, small = ((8 << 20), 4096) if device.type == "cpu" else ((256 << 20), 8192)
     if quick:
         big //= 4
-    out["collectives"] = _collectives(device, big, small, target, say) if world > 1 else {}
+    messages = layout_messages(model, seq) if model is not None and world > 1 else None
+    out["collectives"], out["collective_times"] = _collectives(device, big, small, target, say, messages) \
+        if world > 1 else ({}, {})
     if world > 1:
         everyone = dist.new_group(list(range(world)), backend="nccl") if cuda else None
         out["overlap"] = _overlap(device, dim, tokens, big, 2 * target, everyone)
@@ -387,6 +400,11 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Mo
         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise CalibrationError(f"the measurement failed on a rank: {last}") from None
     first = ranks[0]
+    launches = {}
+    if model is not None:  # after the ranks: the compiler would take their cores
+        from meshfit.calibrate_compile import compiled_launches
+
+        launches = compiled_launches(model, "cuda" if cuda else "cpu", quick)
     keys = ("matmul_flops", "attention_flops") + (("model_flops",) if model is not None else ())
     slowest = {key: {d: min(r[key][d] for r in ranks) for d in DTYPES} for key in keys}
     op_s = {d: max(r["op_s"][d] for r in ranks) for d in DTYPES} if model is not None else None
@@ -397,7 +415,8 @@ def calibrate(nproc: int, dim: int | None = None, quick: bool = False, model: Mo
         model_flops=slowest.get("model_flops"), op_s=op_s, seq=seq if model is not None else 0,
         tp_flops=slowest_tp(ranks),
         elementwise_bytes_per_s=min(r["elementwise_bytes_per_s"] for r in ranks),
-        collectives=first["collectives"], overlap=first.get("overlap", 0.0),
+        collectives=first["collectives"], collective_times=first["collective_times"],
+        compiled_launches=launches, overlap=first.get("overlap", 0.0),
         host_device_bytes_per_s=first.get("host_device_bytes_per_s"), torch=torch.__version__,
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         seconds=max(r["seconds"] for r in ranks), dim=dim)

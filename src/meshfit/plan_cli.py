@@ -244,13 +244,15 @@ def _layout_table(plan, rows, title: str) -> Table:
     return table
 
 
-def _say_how_sure(console: Console, gpu: Any, times: list[float]) -> None:
+def _say_how_sure(console: Console, gpu: Any, times: list[float], compiled: bool) -> None:
     """What the step times rest on, their measured error, and the fitting rows they cannot order."""
     from meshfit.planner.time_basis import close_runs, time_basis
 
-    basis = time_basis(gpu)
+    basis = time_basis(gpu, compiled)
+    resting = "".join(f"; {r}" for r in basis.rests_on)
     lacking = f"; without {', '.join(basis.lacks)}" if basis.lacks else ""
-    console.print(f"Step times: {basis.label} (measured error up to ±{basis.error:.0%}){lacking}.", highlight=False)
+    console.print(f"Step times: {basis.label} (measured error up to ±{basis.error:.0%}){resting}{lacking}.",
+                  highlight=False)
     for first, last in close_runs(times, basis.error):
         console.print(f"  #{first + 1}–#{last + 1} are within ±{basis.error:.0%} of each other: the model "
                       "cannot tell which is faster.", highlight=False)
@@ -299,7 +301,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"{device_noun(gpu, 1)}")
     console.print(_layout_table(plan, plan.candidates[:args.top or 10], "best layouts (most-loaded rank; "
                                                                         "fitting ones by throughput)"))
-    _say_how_sure(console, gpu, [c.time.total_s for c in plan.candidates[:args.top or 10] if c.fits])
+    _say_how_sure(console, gpu, [c.time.total_s for c in plan.candidates[:args.top or 10] if c.fits],
+                  plan.workload.compiled)
     if gpu.profile is not None:  # a measured rate, not a datasheet peak: say so, as it can read near 100%
         console.print(f"MFU is relative to {mfu_basis(gpu)}: a layout that loses little to communication, "
                       "bubbles and recompute reads near 100%.", highlight=False)

@@ -4,7 +4,13 @@ Part of the step-time model (planner/timing.py), in the same roofline spirit:
 
 * Collectives are rings (Patarasuk & Yuan 2009; NCCL): all-reduce 2(n−1)/n · bytes/bw, all-gather and
   reduce-scatter (n−1)/n · bytes/bw, plus a latency alpha per hop and call ((n−1) hops, twice for an
-  all-reduce, which is a reduce-scatter followed by an all-gather).
+  all-reduce, which is a reduce-scatter followed by an all-gather). A profile calibrated with a model also
+  holds times measured at the message sizes its layouts send; a call's time then comes from those
+  (`collective_s`): between two measured sizes log-linear in both bytes and seconds, beyond them along the
+  line from the nearest measured point (above the largest its slope, below the smallest its shape
+  scaled). On 2 gloo ranks the line through an 8 MiB and a 4 KiB message put all-reduce, all-gather and
+  reduce-scatter of 0.5–1.4 MiB at 1.3–1.8× their measured times (calibrate_sizes.py), which is why the
+  sizes are measured.
 * Tensor parallelism (Megatron, Shoeybi et al. 2019; with sequence parallelism Korthikanti et al. 2022):
   per block two all-reduces of s·b·h activations in forward and two in backward (SP: all-gathers plus
   reduce-scatters of the same bytes), two more with full recomputation; never overlapped.
@@ -27,7 +33,9 @@ Part of the step-time model (planner/timing.py), in the same roofline spirit:
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from meshfit.parallel.kinds import data_parallel_kind
@@ -68,14 +76,59 @@ def ring_terms(op: str, n: int) -> tuple[float, int]:
     return phases * (n - 1) / n, phases * (n - 1)
 
 
-def ring(cluster: Cluster, op: str, stride: int, n: int, nbytes: float, calls: float = 1.0) -> float:
-    """Seconds of ``calls`` ring collectives ``op`` over n ranks ``stride`` apart moving an ``nbytes`` buffer
-    in all."""
+def along_points(points: Mapping[int, float], nbytes: float, line: Callable[[float], float]) -> float:
+    """Seconds for an ``nbytes`` message from ``points`` ({bytes: seconds} measured): between the two nearest
+    measured sizes interpolated linearly in (log bytes, log seconds); above the largest the largest's time
+    plus what ``line`` (seconds by bytes) adds from there, below the smallest ``line`` scaled to pass through
+    the smallest; ``line`` alone without points. Each point is first lowered to the least time measured at
+    its size or above."""
+    if not points or nbytes <= 0:
+        return line(nbytes)
+    sizes = sorted(points)
+    # A larger message's time bounds a smaller one's (it could be padded): each size takes the least time
+    # measured at it or above, so one slow repetition (a busy host) does not make a smaller message dearer.
+    points = dict(points)
+    for small, large in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
+        points[small] = min(points[small], points[large])
+    if nbytes >= sizes[-1]:  # the line's slope from the largest point: its bandwidth was measured larger still
+        return points[sizes[-1]] + line(nbytes) - line(sizes[-1])
+    if nbytes <= sizes[0]:  # the line's shape scaled through the smallest point (latency-bound, stays > 0)
+        return points[sizes[0]] * line(nbytes) / line(sizes[0]) if line(sizes[0]) > 0 else points[sizes[0]]
+    hi = bisect.bisect_left(sizes, nbytes)
+    a, b = sizes[hi - 1], sizes[hi]
+    w = math.log(nbytes / a) / math.log(b / a)
+    return math.exp((1.0 - w) * math.log(points[a]) + w * math.log(points[b]))
+
+
+def collective_s(cluster: Cluster, op: str, stride: int, n: int, nbytes: float) -> float:
+    """Seconds of one ring collective ``op`` over n ranks ``stride`` apart moving an ``nbytes`` buffer (the
+    whole gathered / reduced buffer; send/recv: one message): the profile's times at measured message sizes
+    where it has them, else the bandwidth/latency line (module notes). Times measured on another group size
+    are scaled by the ratio of the two sizes' lines."""
     if n == 1:
         return 0.0
     bw, alpha = link(cluster, stride, n, op)
-    moved, hops = ring_terms(op, n)
-    return moved * nbytes / bw + calls * alpha * hops
+
+    def line(ranks: int) -> Callable[[float], float]:
+        moved, hops = ring_terms(op, ranks)
+        return lambda b: moved * b / bw + alpha * hops
+
+    prof = cluster.gpu.profile
+    if prof is None:
+        return line(n)(nbytes)
+    measured_n, points = prof.measured_sizes(n, op)
+    t = along_points(points, nbytes, line(measured_n))
+    if measured_n != n and points:
+        t *= line(n)(nbytes) / line(measured_n)(nbytes)
+    return t
+
+
+def ring(cluster: Cluster, op: str, stride: int, n: int, nbytes: float, calls: float = 1.0) -> float:
+    """Seconds of ``calls`` ring collectives ``op`` over n ranks ``stride`` apart moving an ``nbytes`` buffer
+    in all (``nbytes / calls`` each)."""
+    if n == 1 or calls <= 0:
+        return 0.0
+    return calls * collective_s(cluster, op, stride, n, nbytes / calls)
 
 
 def tp_comm(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: int, cbytes: int,

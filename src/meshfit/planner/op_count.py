@@ -9,22 +9,26 @@ key/value heads, tying and dropout; small sizes) under a TorchDispatchMode that 
 views and autograd's detaches included, as they pay the same dispatch. Activation recompute is applied
 with meshfit's own wrappers, so a checkpointed block's re-run forward is in its count.
 
-A compiled block (train.compile) runs inductor's fused kernels instead: each matmul or attention kernel
-and about one generated kernel next to it, so its count is COMPILED_PER_HEAVY × its heavy operators
-(assumed from inductor's fusion of every element-wise chain between two matmuls, not measured).
+A compiled block (train.compile) runs inductor's fused kernels instead: its count is its heavy operators
+(matmuls, attention) × the launches per heavy operator that `meshfit calibrate --model` counts in the code
+inductor generates for one block, forward + backward, per recompute policy (calibrate_compile.py; `small`:
+34 launches for 23 heavy operators without recompute, 45 for 30 with full recompute). Without such a
+profile it is COMPILED_PER_HEAVY × its heavy operators (an extern kernel and one fused element-wise kernel
+per heavy operator: assumed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
 
-# Launches per heavy operator (matmul, attention) of a compiled block: the extern kernel and the fused
-# element-wise kernel that follows it.
+# Launches per heavy operator (matmul, attention) of a compiled block when the profile has no measured count:
+# the extern kernel and the fused element-wise kernel that follows it (assumed).
 COMPILED_PER_HEAVY = 2.0
 # Policies counted directly; "selective" mixes "full" (every second block) and "none" (planner/timing.py).
 COUNTED_POLICIES = ("none", "full", "op", "attention")
@@ -39,8 +43,8 @@ class OpCounts:
     block_heavy: float  # of which matmuls and attention kernels
     rest: float  # embeddings, final norm, head and loss
 
-    def block_ops(self, compiled: bool) -> float:
-        return self.block_heavy * COMPILED_PER_HEAVY if compiled else self.block
+    def block_ops(self, compiled: bool, per_heavy: float = COMPILED_PER_HEAVY) -> float:
+        return self.block_heavy * per_heavy if compiled else self.block
 
 
 def _heavy(name: str) -> bool:
@@ -119,14 +123,19 @@ def _counted(model: ModelConfig, policy: str) -> OpCounts:
     return OpCounts(block=float(two - one), block_heavy=float(two_heavy - one_heavy), rest=float(2 * one - two))
 
 
-def rank_ops(model: ModelConfig, policy: str, blocks: int, has_rest: bool, compiled: bool) -> float:
+def rank_ops(model: ModelConfig, policy: str, blocks: int, has_rest: bool, compiled: bool,
+             per_heavy: Mapping[str, float] | None = None) -> float:
     """Operators of one micro-batch's forward + backward on a rank holding ``blocks`` blocks (and the
-    embeddings/head when ``has_rest``). meshfit's "selective" checkpoints every second block in full."""
+    embeddings/head when ``has_rest``). meshfit's "selective" checkpoints every second block in full.
+    ``per_heavy``: a compiled block's measured launches per heavy operator by policy (a policy not in it
+    takes "none"'s; without any, COMPILED_PER_HEAVY)."""
+    ratios = per_heavy or {}
+
+    def block(p: str) -> float:
+        return op_counts(model, p).block_ops(compiled, ratios.get(p, ratios.get("none", COMPILED_PER_HEAVY)))
+
     if policy == "selective":
-        full, none = op_counts(model, "full"), op_counts(model, "none")
-        ops = (blocks // 2) * full.block_ops(compiled) + (blocks - blocks // 2) * none.block_ops(compiled)
-        rest = none.rest
+        ops = (blocks // 2) * block("full") + (blocks - blocks // 2) * block("none")
     else:
-        counts = op_counts(model, policy)
-        ops, rest = blocks * counts.block_ops(compiled), counts.rest
-    return ops + (rest if has_rest else 0.0)
+        ops = blocks * block(policy)
+    return ops + (op_counts(model, "none" if policy == "selective" else policy).rest if has_rest else 0.0)

@@ -22,6 +22,11 @@ as training's ranks do), so the planner uses it as is: no efficiency factor on t
       "elementwise_bytes_per_s": bytes/s,                     # the fused AdamW step's reads + writes
       "collectives": {"2": {"all_reduce": {"bus_bytes_per_s": .., "latency_s": ..},
                             "all_gather": {...}, "reduce_scatter": {...}, "send_recv": {...}}, "4": ...},
+      "collective_times": {"2": {"all_gather": {"131072": s, ...}, ...}},  # optional (--model, N ≥ 2): seconds
+                                                              # per call at the model's layouts' message sizes
+      "compiled_launches": {"none": {"launches": 34, "heavy": 23}, "full": ...},  # optional (--model): kernels
+                                                              # one compiled block launches, forward + backward,
+                                                              # and its matmul/attention operators (eager count)
       "overlap": 0..1,                                        # share of a collective hidden by compute
       "host_device_bytes_per_s": null | bytes/s,              # pinned copies (CUDA only)
       "torch": "2.13.0", "created": "2026-12-03T16:00:00Z", "seconds": 41.2
@@ -29,7 +34,9 @@ as training's ranks do), so the planner uses it as is: no efficiency factor on t
 
 Bus bandwidth is nccl-tests' convention: all-reduce moves 2(n−1)/n of the buffer per rank, all-gather and
 reduce-scatter (n−1)/n of the whole buffer, send/recv the buffer; latency is the per-hop cost of a small
-message (a ring all-reduce has 2(n−1) hops, all-gather and reduce-scatter n−1, send/recv one).
+message (a ring all-reduce has 2(n−1) hops, all-gather and reduce-scatter n−1, send/recv one). The
+bandwidth/latency line is what the time model falls back on beyond ``collective_times``' sizes (and for
+profiles without them; planner/comm_time.py `collective_s`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from meshfit.jsonfile import read_json_object
+from meshfit.planner.op_count import COUNTED_POLICIES
 
 FORMAT = "meshfit-hardware-profile/1"
 
@@ -87,6 +95,16 @@ class TPRates(BaseModel):
     block_call_s: Seconds
 
 
+class CompiledLaunches(BaseModel):
+    """Kernels one torch.compile'd block launches in forward + backward (generated and extern kernels), and
+    the matmul/attention operators the same block dispatches eagerly: their ratio carries over to other
+    models' blocks (planner/op_count.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    launches: float = Field(gt=0)
+    heavy: float = Field(gt=0)
+
+
 class GroupLinks(BaseModel):
     """The collectives of one group size."""
 
@@ -95,6 +113,11 @@ class GroupLinks(BaseModel):
     all_gather: Link
     reduce_scatter: Link
     send_recv: Link
+
+
+COLLECTIVE_OPS = tuple(GroupLinks.model_fields)
+# Seconds per call by message bytes (the whole gathered / reduced buffer; send/recv: one message).
+SecondsBySize = dict[Annotated[int, Field(ge=1)], Annotated[float, Field(gt=0)]]
 
 
 class HardwareProfile(BaseModel):
@@ -123,6 +146,11 @@ class HardwareProfile(BaseModel):
     tp_flops: dict[Annotated[int, Field(ge=2)], dict[Literal[TP_VARIANTS], TPRates]] = {}
     elementwise_bytes_per_s: float = Field(gt=0)
     collectives: dict[int, GroupLinks] = {}
+    # Collectives timed at the message sizes the calibrated model's layouts send (calibrate --model, N ≥ 2):
+    # {group size: {op: {bytes: seconds}}}. Empty in older profiles: the line above then serves every size.
+    collective_times: dict[Annotated[int, Field(ge=2)], dict[Literal[COLLECTIVE_OPS], SecondsBySize]] = {}
+    # A compiled block's launches per recompute policy (calibrate --model). Empty: assumed (op_count.py).
+    compiled_launches: dict[Literal[COUNTED_POLICIES], CompiledLaunches] = {}
     overlap: float = Field(default=0.0, ge=0, le=1)
     host_device_bytes_per_s: float | None = Field(default=None, gt=0)
     torch: str = ""
@@ -154,6 +182,9 @@ class HardwareProfile(BaseModel):
             out.append("tensor-parallel rates")
         if not self.collectives:
             out.append("collectives (calibrated on one rank)")
+        elif not self.collective_times:
+            out.append("collectives timed at the layouts' message sizes (a bandwidth/latency line through two "
+                       "sizes instead; calibrate with --model)")
         return out
 
     def tp_rate(self, precision: str, tp: int, sp: bool) -> tuple[float, float] | None:
@@ -165,14 +196,27 @@ class HardwareProfile(BaseModel):
         key = dtype_key(precision)
         return getattr(rates.flops, key), getattr(rates.block_call_s, key)
 
-    def link(self, size: int, op: str) -> tuple[float, float]:
-        """(bus bytes/s, latency per hop) of ``op`` over ``size`` ranks: the measured group size, else the
-        nearest measured one (groups larger than the calibration's keep its largest group's rates)."""
+    def measured_sizes(self, size: int, op: str) -> tuple[int, dict[int, float]]:
+        """(group size, {bytes: seconds}) of ``op`` timed at message sizes, from the group size ``link`` reads
+        for ``size``; an empty dict when none were timed."""
+        nearest = self._nearest_group(size)
+        return nearest, self.collective_times.get(nearest, {}).get(op, {})
+
+    def launches_per_heavy(self) -> dict[str, float]:
+        """Measured launches per matmul/attention operator of a compiled block, by recompute policy (empty
+        when not measured)."""
+        return {policy: e.launches / e.heavy for policy, e in self.compiled_launches.items()}
+
+    def _nearest_group(self, size: int) -> int:
         if not self.collectives:
             raise ValueError("the hardware profile has no collective measurements (calibrated on one rank); "
                              "run `meshfit calibrate --nproc N` with N ≥ 2")
-        nearest = min(self.collectives, key=lambda n: (abs(n - size), -n))
-        entry: Link = getattr(self.collectives[nearest], op)
+        return min(self.collectives, key=lambda n: (abs(n - size), -n))
+
+    def link(self, size: int, op: str) -> tuple[float, float]:
+        """(bus bytes/s, latency per hop) of ``op`` over ``size`` ranks: the measured group size, else the
+        nearest measured one (groups larger than the calibration's keep its largest group's rates)."""
+        entry: Link = getattr(self.collectives[self._nearest_group(size)], op)
         return entry.bus_bytes_per_s, entry.latency_s
 
 

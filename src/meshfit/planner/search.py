@@ -72,7 +72,7 @@ class Plan:
 
     def to_json(self, top: int | None = None) -> dict[str, Any]:
         gpu = self.cluster.gpu
-        basis = time_basis(gpu)
+        basis = time_basis(gpu, self.workload.compiled)
         chosen = self.candidates if top is None else self.candidates[:top]
         return {
             "model": {"name": self.model_name, "params": num_params(self.model), **self.model.__dict__},
@@ -80,7 +80,8 @@ class Plan:
                         "world_size": self.cluster.world_size, "memory_bytes": gpu.memory_bytes,
                         "usable_bytes": int(usable_bytes(gpu)),
                         "rates": "measured" if gpu.profile is not None else "datasheet",
-                        "time_basis": basis.label, "time_error": basis.error, "time_lacks": list(basis.lacks)},
+                        "time_basis": basis.label, "time_error": basis.error, "time_lacks": list(basis.lacks),
+                        "time_rests_on": list(basis.rests_on)},
             "workload": self.workload.__dict__,
             "evaluated": len(self.candidates), "fitting": len(self.fitting),
             "candidates": [c.to_json() for c in chosen],

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshfit.units import fmt_bytes
+
 if TYPE_CHECKING:
     from meshfit.planner.hardware import GPU
 
@@ -32,18 +34,31 @@ class TimeBasis:
     label: str
     error: float  # relative: a time t may be anywhere in t·(1 ± error)
     lacks: tuple[str, ...]
+    rests_on: tuple[str, ...] = ()  # measured parts worth naming (collectives' sizes, compiled launches)
 
 
-def time_basis(gpu: GPU) -> TimeBasis:
-    """The basis of the step times planned on ``gpu``."""
+def time_basis(gpu: GPU, compiled: bool = False) -> TimeBasis:
+    """The basis of the step times planned on ``gpu`` (``compiled``: for compiled blocks)."""
     prof = gpu.profile
     if prof is None:
         return TimeBasis("datasheet peaks × generic efficiencies", DATASHEET_ERROR,
                          ("a measured rate", "the cost per dispatched operator (small eager steps run slower)"))
-    lacks = tuple(prof.lacks())
-    if prof.model_flops is not None:
-        return TimeBasis("calibrated on the model's own code", MODEL_CALIBRATED_ERROR, lacks)
-    return TimeBasis("calibrated kernel rates with generic element-wise traffic", DATASHEET_ERROR, lacks)
+    lacks, rests_on = list(prof.lacks()), []
+    if prof.collective_times:
+        sizes = sorted({b for ops in prof.collective_times.values() for t in ops.values() for b in t})
+        rests_on.append(f"collectives timed at the calibrated model's message sizes ({fmt_bytes(sizes[0])}–"
+                        f"{fmt_bytes(sizes[-1])}, interpolated; the bandwidth/latency line beyond them)")
+    if compiled and prof.op_s is not None:  # launches only cost time at a measured cost per operator
+        ratios = prof.launches_per_heavy()
+        if ratios:
+            ratio = ratios.get("none", min(ratios.values()))
+            rests_on.append(f"compiled blocks' kernel launches as counted ({ratio:.2f} per matmul/attention operator)")
+        else:
+            lacks.append("a counted launch count of compiled blocks (2 per matmul/attention operator assumed; "
+                         "calibrate with --model)")
+    label, error = (("calibrated on the model's own code", MODEL_CALIBRATED_ERROR) if prof.model_flops is not None
+                    else ("calibrated kernel rates with generic element-wise traffic", DATASHEET_ERROR))
+    return TimeBasis(label, error, tuple(lacks), tuple(rests_on))
 
 
 def close_runs(times: list[float], error: float) -> list[tuple[int, int]]:

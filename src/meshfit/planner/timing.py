@@ -24,9 +24,10 @@ literature it cites and the way meshfit's torch building blocks communicate:
 
 * Per-operator cost: eager PyTorch pays a fixed host-side cost per dispatched operator whatever the sizes,
   which dominates small micro-batches. With a profile that measured it (``calibrate --model``: ``op_s``),
-  each micro-batch adds the rank's operators (counted on meshfit's block code per recompute policy, fewer
-  for compiled blocks; planner/op_count.py) × ``op_s``. A measured tensor-parallel rate holds its own fixed
-  cost per block instead. Datasheet devices and older profiles charge nothing for it.
+  each micro-batch adds the rank's operators (counted on meshfit's block code per recompute policy; for
+  compiled blocks the kernel launches calibrate --model counted, else assumed; planner/op_count.py) ×
+  ``op_s``. A measured tensor-parallel rate holds its own fixed cost per block instead. Datasheet devices
+  and older profiles charge nothing for it.
 
 Not modelled: stragglers, and the kernels' distance from their peaks at the model's shapes;
 ``efficiency`` absorbs them. A rate calibrated on the model itself (``calibrate --model``) holds
@@ -44,7 +45,7 @@ from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.activations import gathered_kv_bytes
-from meshfit.planner.comm_time import cp_comm, dp_comm, exposed, link, tp_comm
+from meshfit.planner.comm_time import collective_s, cp_comm, dp_comm, exposed, tp_comm
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.op_count import rank_ops
 from meshfit.planner.precision import COMPUTE_BYTES, OPTIMIZER_STATES, STORAGE_BYTES
@@ -189,8 +190,9 @@ def _operators_s(model: ModelConfig, layout: Layout, workload: Workload, prof: H
     if not t_op:
         return 0.0, 0.0
     blocks, _, has_head = rank
-    ops = rank_ops(model, layout.activation_checkpointing, blocks, has_head, workload.compiled)
-    plain = rank_ops(model, "none", blocks, has_head, workload.compiled)
+    launches = prof.launches_per_heavy() if prof is not None else None  # compiled blocks' measured launches
+    ops = rank_ops(model, layout.activation_checkpointing, blocks, has_head, workload.compiled, launches)
+    plain = rank_ops(model, "none", blocks, has_head, workload.compiled, launches)
     return m * ops * t_op, m * max(0.0, ops - plain) * t_op
 
 
@@ -318,9 +320,8 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         bubble_s = factor * (compute_s + tp_comm_s)
         # Each micro-batch's activation goes forward and its gradient back across each of the rank's
         # stages; with SP the residual stream between blocks is sequence-sharded.
-        bw, alpha = link(cluster, tp * layout.cp * layout.dp, pp, "send_recv")
         send = mb_tokens * model.dim * cbytes / (tp if layout.sp else 1)
-        pp_comm_s = 2 * m * virtual * (alpha + send / bw)
+        pp_comm_s = 2 * m * virtual * collective_s(cluster, "send_recv", tp * layout.cp * layout.dp, pp, send)
 
     # Optimizer step over the rank's share (ZeRO ≥ 1 updates 1/(dp_shard × cp)), memory-bound; with offload it
     # runs on the host and the sharded weights/gradients cross PCIe once per gather/reduction.
