@@ -1,15 +1,17 @@
 """The planner's per-rank peak against `meshfit verify` (fake-tensor dry run) and real CPU runs.
 
-Run: python benchmarks/plan_accuracy.py [--scale] [--skip-real]
+Run: python benchmarks/plan_accuracy.py [--scale | --scale-only | --long] [--skip-real] [--only TEXT]
 Small layouts (the `small` preset, fp32, seq 128, global batch 8) are predicted, dry-run and trained for
 3 real steps on local gloo ranks; with --scale, large models at their real world size are predicted and
-dry-run only. Prints one row per layout kind: predicted, verify and real peaks of the most-loaded rank
+dry-run only; with --long, the `small` model at seq 2048 (context parallelism, recompute, pipelines) is
+predicted and dry-run. Prints one row per layout kind: predicted, verify and real peaks of the most-loaded rank
 and the errors, plus the wall time and memory of each dry run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import tempfile
@@ -66,6 +68,28 @@ SCALE_CASES = [
 ]
 
 
+# Long sequences on `small` (max_seq_len 2048), where activations decide: context parallelism, recompute
+# and pipelines, fp32 and mixed precision (docs/planner.md, "Context parallelism").
+LONG_MODEL = dataclasses.replace(get_preset("small"), max_seq_len=2048)
+LONG = Workload(seq_len=2048, global_batch=2, precision="fp32")
+LONG_CASES = [
+    (f"{name} {precision}", layout, dataclasses.replace(LONG, precision=precision))
+    for precision in ("fp32", "mixed")
+    for name, layout in [
+        ("cp 1", Layout(zero_stage=3, micro_batch=1)),
+        ("cp 2", Layout(cp=2, zero_stage=3, micro_batch=1)),
+        ("cp 4", Layout(cp=4, zero_stage=3, micro_batch=1)),
+        ("fsdp 2, full AC", Layout(dp_shard=2, zero_stage=3, micro_batch=1, activation_checkpointing="full")),
+        ("cp 2, full AC", Layout(cp=2, zero_stage=3, micro_batch=1, activation_checkpointing="full")),
+        ("cp 2 × tp 2 + sp", Layout(cp=2, tp=2, zero_stage=3, sp=True, loss_parallel=True, micro_batch=1)),
+        ("cp 2 × pp 2", Layout(cp=2, pp=2, zero_stage=3, micro_batch=1)),
+        ("pp 2 zbv", Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1)),
+        ("pp 2 zbv, full AC", Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1,
+                                     activation_checkpointing="full")),
+    ]
+]
+
+
 def _verify(queue, model, layout, workload) -> None:
     from meshfit.planner.verify import verify_layout
 
@@ -111,9 +135,13 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="also the large models (verify only)")
     parser.add_argument("--skip-real", action="store_true", help="no real CPU runs")
     parser.add_argument("--scale-only", action="store_true", help="only the large models")
-    parser.add_argument("--only", help="only the large-model cases whose 'model layout' name contains this")
+    parser.add_argument("--long", action="store_true", help="only the long-sequence cases on `small` (verify only)")
+    parser.add_argument("--only", help="only the cases whose 'model layout' name contains this")
     parser.add_argument("--verbose", action="store_true", help="each large case's components, planned and dry-run")
     args = parser.parse_args()
+    if args.long:
+        long(args.only)
+        return
     if not args.scale_only:
         small(args.skip_real)
     if args.scale or args.scale_only:
@@ -129,6 +157,20 @@ def small(skip_real: bool) -> None:
         real = None if skip_real else real_peak(layout, SMALL)
         print(f"{name:24s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {fmt_bytes(real):>10s} "
               f"{_err(pred, fake):>9s} {_err(pred, real):>8s}", flush=True)
+
+
+def long(only: str | None = None) -> None:
+    print(f"\n{'layout (small, seq 2048)':30s} {'predicted':>10s} {'verify':>10s} {'error':>7s} "
+          f"{'acts pred':>10s} {'acts verify':>11s}  phases (plan / dry run)")
+    for name, layout, workload in LONG_CASES:
+        if only and only not in name:
+            continue
+        est = estimate_memory(LONG_MODEL, layout, workload)
+        res = verify_in_subprocess(LONG_MODEL, layout, workload)
+        fake = res["measured"]
+        print(f"{name:30s} {fmt_bytes(est.total):>10s} {fmt_bytes(fake['total']):>10s} "
+              f"{_err(est.total, fake['total']):>7s} {fmt_bytes(est.activations):>10s} "
+              f"{fmt_bytes(fake['activations']):>11s}  {est.phase} / {res['phase']}", flush=True)
 
 
 def scale(only: str | None = None, verbose: bool = False) -> None:

@@ -296,6 +296,41 @@ def test_multi_stage_counts_follow_torch_op_order():
             assert pipeline_in_flight_microbatches(name, pp, rank, m, virtual=v) == torch_peak, (name, pp, m, v, rank)
 
 
+def _split_frontier(ops):
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    waiting, split, states = set(), set(), {(0, 0)}
+    for op in ops:
+        if op is None:
+            continue
+        key = (op.stage_index, op.microbatch_index)
+        if op.computation_type == C.FORWARD:
+            waiting.add(key)
+        elif op.computation_type in (C.BACKWARD_INPUT, C.FULL_BACKWARD):
+            waiting.discard(key)
+            if op.computation_type == C.BACKWARD_INPUT:
+                split.add(key)
+        elif op.computation_type == C.BACKWARD_WEIGHT:
+            split.discard(key)
+        states.add((len(waiting), len(split)))
+    return sorted(s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states))
+
+
+def test_zbv_split_backward_states_follow_torch_op_order():
+    # The closed form (M ≥ 2·pp) and the order read from torch (fewer) against torch's op lists.
+    from meshfit.planner.memory import split_backward_states
+
+    for pp in (1, 2, 3, 4, 6, 8):
+        for m in range(1, 3 * pp + 1):
+            for rank in range(pp):
+                expected = _split_frontier(_torch_rank_ops("zbv", pp, m, 2, rank))
+                got = split_backward_states(pp, rank, m)
+                # The same heaviest state whenever a split micro-batch weighs at least a waiting one.
+                for weight in (1, 1.5, 2, 4, 16):
+                    assert max(k + weight * j for k, j in got) == max(k + weight * j for k, j in expected), \
+                        (pp, m, rank, weight)
+
+
 def test_cuda_device_names_map_to_the_catalog():
     # MFU on a real GPU reads the same datasheet peak the planner uses.
     from meshfit.planner.hardware import gpu_for_device

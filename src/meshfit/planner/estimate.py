@@ -29,7 +29,7 @@ from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
-from meshfit.planner.phase_terms import RootReduce, pipelined_stage3_phases, root_reduce_phase
+from meshfit.planner.phase_terms import RootReduce, pipelined_stage3_phases, root_reduce_phase, stage_acts
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
@@ -232,7 +232,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
                                                     layout.virtual_stages)
         boundary = tokens * model.dim * (4 if mode == "fp32" else 2) / (layout.tp if layout.sp else 1)
-        acts = in_flight * per_stage + head + boundary * _boundary_tensors(share, in_flight)
+        acts = stage_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro, per_stage,
+                          in_flight) + head + boundary * _boundary_tensors(share, in_flight)
         # 1F1B-style schedules reach their most in-flight micro-batches at the first backward and again in
         # their steady state, after which the stage's gradients exist. A rank that holds every micro-batch
         # of the step at once (GPipe; the others with no more micro-batches than their warm-up) has that

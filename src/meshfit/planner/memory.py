@@ -271,3 +271,55 @@ def pipeline_in_flight_microbatches(schedule: str, pp: int, stage: int, microbat
         return min(m * v, (v - 1) * per_round + pp)
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - r), m * v)
     return warmup + (1 if warmup < m * v else 0)
+
+
+def split_backward_states(pp: int, stage: int, microbatches: int) -> tuple[tuple[int, int], ...]:
+    """The zbv schedule's states that bound pipeline rank ``stage``'s activations: pairs (forwards whose
+    backward has not begun, input-gradient steps whose weight-gradient step has not run), in units of one
+    micro-batch through one of the rank's two stages.
+
+    Between its input- and weight-gradient steps torch keeps a micro-batch's autograd graph (every saved
+    tensor, recomputed ones included) and the gradients of the weights' outputs, so such a micro-batch
+    weighs more than one only waiting for its backward; the rank's peak is the heaviest state. Read off
+    the operation order torch 2.13's ``ScheduleZBVZeroBubble`` generates (`tests/test_planner.py` checks
+    the closed form against it): with M ≥ 2·pp micro-batches every rank reaches (2·pp, 0) and
+    (2·pp − 1, 1), and rank r ≥ 1 also (pp − r − 1, 2·r + 1) (of the states on its diagonal, the heaviest
+    when a split micro-batch weighs at least a waiting one). With fewer the order is read from torch.
+    """
+    _check_int("pp", pp, 1)
+    _check_int("microbatches", microbatches, 1)
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{pp - 1}")
+    if microbatches >= 2 * pp:
+        steady = ((2 * pp, 0), (2 * pp - 1, 1))
+        return steady + (((pp - stage - 1, 2 * stage + 1),) if stage >= 1 else ())
+    return _zbv_states_from_torch(pp, stage, microbatches)
+
+
+@functools.lru_cache(maxsize=1024)
+def _zbv_states_from_torch(pp: int, stage: int, microbatches: int) -> tuple[tuple[int, int], ...]:
+    # Imported here: the planner's other paths never import torch.
+    from torch.distributed.pipelining import schedules
+
+    # The rank's order depends only on these sizes; no stage (module) is needed to compute it.
+    sched = schedules.ScheduleZBVZeroBubble.__new__(schedules.ScheduleZBVZeroBubble)
+    sched.pp_group_size, sched._n_microbatches, sched.n_local_stages = pp, microbatches, 2
+    sched.num_stages = sched._num_stages = 2 * pp
+    waiting: set[tuple[int, int]] = set()
+    split: set[tuple[int, int]] = set()
+    states = {(0, 0)}
+    for action in sched._calculate_single_rank_operations(stage):
+        if action is None:
+            continue
+        key, kind = (action.stage_index, action.microbatch_index), action.computation_type.name
+        if kind == "FORWARD":
+            waiting.add(key)
+        elif kind in ("BACKWARD_INPUT", "FULL_BACKWARD"):
+            waiting.discard(key)
+            if kind == "BACKWARD_INPUT":
+                split.add(key)
+        elif kind == "BACKWARD_WEIGHT":
+            split.discard(key)
+        states.add((len(waiting), len(split)))
+    # Only the states no other state dominates can be the heaviest.
+    return tuple(sorted(s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states)))
