@@ -33,6 +33,10 @@ from meshfit.planner.phase_terms import RootReduce, pipelined_stage3_phases, roo
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
+# Temporaries of a block's backward, in h-wide values per token (compute dtype), measured with the dry
+# run's timeline: Llama blocks 6 (`small` and `tiny`, seq 128-2048, fp32 and mixed, with and without
+# recompute); GPT blocks (biases, LayerNorm, GELU) 14 (a hidden-16,384 GPT under ZeRO-3 units).
+BACKWARD_TEMPS = {"llama": 6, "gpt": 14}
 
 
 def usable_bytes(gpu: GPU) -> float:
@@ -272,11 +276,11 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             with_grads = gathered - unit * c_bytes
         if mode == "bf16":
             # Measured with 16-bit compute: either the last block's backward starts (gradient temporaries
-            # about the size of its h-wide activations, no gradients yet) or its 16-bit gradients exist next
-            # to their fp32 copy for the reduce-scatter; the larger of the two is the peak. Reduced in the
-            # compute dtype there is no copy.
+            # of BACKWARD_TEMPS h-wide values, no gradients yet) or its 16-bit gradients exist next to their
+            # fp32 copy for the reduce-scatter; the larger of the two is the peak. Reduced in the compute
+            # dtype there is no copy.
             unit_grads = unit * (r_bytes + c_bytes if r_bytes != c_bytes else c_bytes)
-            working = tokens * model.dim * 28 / (layout.tp if layout.sp else 1)
+            working = tokens * model.dim * BACKWARD_TEMPS[model.family] * c_bytes / (layout.tp if layout.sp else 1)
         if accumulated:
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
             # being the head's weight gradient; accumulated in a wider reduce dtype (stage 0 under mixed
@@ -319,9 +323,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     # output next to its unsharded parameters at the end of the forward (measured).
     spare = share.unit_params * c_bytes if fsdp and not keep and gathered else 0.0
     root_copy = share.root_params * c_bytes if spare and c_bytes == 4 else 0.0
-    # fp32 without recompute: a block's backward peaks before its gradients exist, with temporaries of
-    # about six h-wide activations (measured with the dry run's timeline, `small` and `tiny`, fp32).
-    fp32_temps = (6 * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
+    # fp32 without recompute: a block's backward peaks before its gradients exist, with its temporaries.
+    fp32_temps = (BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
                   if fsdp and mode == "fp32" and layout.activation_checkpointing == "none" and layout.pp == 1
                   else 0.0)
     phases = {

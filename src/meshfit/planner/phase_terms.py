@@ -31,11 +31,13 @@ if TYPE_CHECKING:
 
 Parts = tuple[float, float, float, float, float]
 # A zbv micro-batch between its input- and weight-gradient steps, in full (un-recomputed) activations of
-# its blocks: its saved tensors and the gradients of its weights' outputs (≈ 0.9 more). Fitted on the dry run
-# of `small` (dim 256, 4 layers, seq 256, fp32, PP 2 zbv, 16 micro-batches per rank): +0.1% without
-# recompute; with full recompute the same case is −13.7% and Llama-3 8B (PP 4 zbv × ZeRO-1 2, seq 4096)
-# +6.5%, so what a recomputed split micro-batch keeps is not yet this simple.
+# its blocks: its saved tensors and the gradients of its weights' outputs (≈ 0.9 more); recomputed, one
+# block's worth more (RECOMPUTED_EXTRA). Fitted on dry runs of `small`: PP 2 zbv, fp32, without recompute
+# (dim 256, seq 256: +0.1%; seq 2048: +1.7%) and with full recompute, one block per stage (dim 256, seq 256,
+# and seq 2048 with 4 micro-batches: 2.55 and 2.56 blocks each); Llama-3 8B, PP 4 zbv × ZeRO-1 2, seq 4096,
+# full recompute, 4 blocks per stage, is the check (docs/planner.md).
 SPLIT_WEIGHT = 1.9
+RECOMPUTED_EXTRA = 0.65
 
 
 def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
@@ -43,12 +45,15 @@ def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str
     """Saved activations of a pipeline rank's micro-batches in flight, each through one of its stages
     (``stage_layers`` blocks, ``per_stage`` bytes under the layout's recompute). Under zbv a micro-batch
     between its input- and weight-gradient steps keeps its whole autograd graph (recomputed tensors
-    included) and the gradients of the weights' outputs: SPLIT_WEIGHT × its blocks' full activations."""
+    included) and the gradients of the weights' outputs: SPLIT_WEIGHT × its blocks' full activations, and
+    with recompute RECOMPUTED_EXTRA × one block's."""
     if layout.schedule != "zbv":
         return in_flight * per_stage
     plain = replace(layout, activation_checkpointing="none")
-    full = layout_activations(model, plain, workload, 1, mode)[0] * stage_layers
-    return max(k * per_stage + j * full * SPLIT_WEIGHT for k, j in split_backward_states(layout.pp, rank, micro))
+    block = layout_activations(model, plain, workload, 1, mode)[0]
+    extra = RECOMPUTED_EXTRA * block if layout.activation_checkpointing != "none" else 0.0
+    split = block * stage_layers * SPLIT_WEIGHT + extra
+    return max(k * per_stage + j * split for k, j in split_backward_states(layout.pp, rank, micro))
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,9 @@ def pipelined_stage3_phases(params: float, optim: float, buckets: float, grads: 
     stage-boundary tensors; ``last``: what the running backward adds (the loss's remains, recompute,
     temporaries); ``later``: a forward runs between the first and second backward; ``forward_acts``: what a
     forward's end holds (the root and the unit just run are gathered then)."""
-    everything = (root + layers * block) * c_bytes
+    # Under 16-bit compute every unit stays gathered; in fp32 the timeline shows units re-sharded after
+    # their backward as well (`small`, PP 2 × FSDP 2 × TP 2 + SP, 8 ranks: the root and one unit at the end).
+    everything = (root + (layers * block if c_bytes == 2 else unit)) * c_bytes
     transient = (root if first and root else unit) * c_bytes
     start_acts = acts if later else max(0.0, acts - per_stage)
     return {
