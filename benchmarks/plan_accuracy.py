@@ -149,14 +149,16 @@ def main() -> None:
 
 
 def small(skip_real: bool) -> None:
-    print(f"{'layout (small, fp32)':24s} {'predicted':>10s} {'verify':>10s} {'real':>10s} {'vs verify':>9s} "
-          f"{'vs real':>8s}")
+    # The dry run stands in for NCCL ranks; real gloo ranks hold what `--gpu cpu` plans (backend "gloo").
+    print(f"{'layout (small, fp32)':24s} {'predicted':>10s} {'verify':>10s} {'vs verify':>9s} {'CPU plan':>10s} "
+          f"{'real':>10s} {'vs real':>8s}")
     for name, layout in SMALL_CASES:
         pred = estimate_memory(get_preset("small"), layout, SMALL).as_dict()["total"]
+        cpu = estimate_memory(get_preset("small"), layout, SMALL, backend="gloo").as_dict()["total"]
         fake = verify_in_subprocess("small", layout, SMALL)["measured"]["total"]
         real = None if skip_real else real_peak(layout, SMALL)
-        print(f"{name:24s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {fmt_bytes(real):>10s} "
-              f"{_err(pred, fake):>9s} {_err(pred, real):>8s}", flush=True)
+        print(f"{name:24s} {fmt_bytes(pred):>10s} {fmt_bytes(fake):>10s} {_err(pred, fake):>9s} "
+              f"{fmt_bytes(cpu):>10s} {fmt_bytes(real):>10s} {_err(cpu, real):>8s}", flush=True)
 
 
 def long(only: str | None = None) -> None:

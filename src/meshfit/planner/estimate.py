@@ -323,10 +323,12 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     # output next to its unsharded parameters at the end of the forward (measured).
     spare = share.unit_params * c_bytes if fsdp and not keep and gathered else 0.0
     root_copy = share.root_params * c_bytes if spare and c_bytes == 4 else 0.0
-    # fp32 without recompute: a block's backward peaks before its gradients exist, with its temporaries.
+    # fp32 without recompute: a block's backward peaks either with its temporaries, before its gradients
+    # exist (long sequences), or once its gradients exist (short ones): the larger of the two.
     fp32_temps = (BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
                   if fsdp and mode == "fp32" and layout.activation_checkpointing == "none" and layout.pp == 1
                   else 0.0)
+    fp32_temps = fp32_temps if fp32_temps > unit_grads else 0.0
     phases = {
         # Stage 3 (and stage-0 replicas) re-shard the root too once the model's forward returns, before
         # the loss runs (measured with torch's tracker): only stages 1 and 2 hold gathered weights here.
