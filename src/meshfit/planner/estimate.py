@@ -366,7 +366,10 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             params, optim, buckets, grads_loss, c_bytes, share.root_params, share.unit_params, share.layers,
             share.block_params, share.first, per_stage=act_mb / share.stages, acts=acts - head,
             last=block_acts - acts + head + recompute + working, later=micro * share.stages > in_flight,
-            forward_acts=acts - (head - head_saved)))
+            forward_acts=acts - (head - head_saved),
+            # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
+            # (measured: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
+            embedding_grad=model.padded_vocab * model.dim * 4 if (share.first and layout.tp > 1) else 0.0))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
