@@ -29,7 +29,8 @@ from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
-from meshfit.planner.phase_terms import RootReduce, pipelined_stage3_phases, root_reduce_phase, stage_acts
+from meshfit.planner.phase_terms import (RootReduce, boundary_tensors, pipelined_stage3_phases, root_reduce_phase,
+                                         stage_acts)
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
@@ -183,21 +184,6 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank, rest=(st.params, st.at_rest_grads, st.optim))
 
 
-def _boundary_tensors(share: _Share, in_flight: int) -> float:
-    """Stage-boundary tensors (a micro-batch's activation or its gradient between stages) a pipeline rank
-    holds at its peak beyond those its blocks save: a stage's output, kept for its backward, per
-    in-flight micro-batch of each of its stages that sends one.
-
-    meshfit's stages (parallel/pipeline_memory.py) receive into buffers made for one micro-batch and
-    dropped once used, and wait for each send as soon as the peer has received it, so nothing here scales
-    with the step's micro-batch count; a received input is the first block's saved input, and the
-    gradients in transit are alive while other tensors of the same micro-batch are already freed (measured
-    with torch's tracker on 2 gloo ranks: 1f1b and interleaved-1f1b, 2 to 32 micro-batches).
-    """
-    senders = share.stages - (1 if share.last else 0)
-    return in_flight * senders / share.stages
-
-
 def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int,
             backend: str = "nccl") -> dict[str, tuple[float, float, float, float, float]]:
     """(params, grads, optim, activations, buffers) of one rank at each phase of a steady step."""
@@ -237,7 +223,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
                                                     layout.virtual_stages)
         boundary = tokens * model.dim * (4 if mode == "fp32" else 2) / (layout.tp if layout.sp else 1)
         acts = stage_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro, per_stage,
-                          in_flight) + head + boundary * _boundary_tensors(share, in_flight)
+                          in_flight) + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
         # 1F1B-style schedules reach their most in-flight micro-batches at the first backward and again in
         # their steady state, after which the stage's gradients exist. A rank that holds every micro-batch
         # of the step at once (GPipe; the others with no more micro-batches than their warm-up) has that
@@ -369,7 +355,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             forward_acts=acts - (head - head_saved),
             # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
             # (measured: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
-            embedding_grad=model.padded_vocab * model.dim * 4 if (share.first and layout.tp > 1) else 0.0))
+            embedding_grad=(model.padded_vocab * model.dim * 4
+                            if share.first and layout.tp > 1 and stage == 3 else 0.0)))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
