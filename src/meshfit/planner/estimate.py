@@ -356,7 +356,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
             # (measured: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
             embedding_grad=(model.padded_vocab * model.dim * 4
-                            if share.first and layout.tp > 1 and stage == 3 else 0.0)))
+                            if share.first and layout.tp > 1 and stage == 3 else 0.0),
+            temps=BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.

@@ -12,9 +12,9 @@ mixed precision, 4 and 8 micro-batches per step, first stage) shows two peaks of
 * the end of a backward: every unit of the stage gathered, every gradient accumulated, the last unit's
   (on the first stage the embedding's) compute-dtype gradient next to its reduce-dtype accumulator, and
   the micro-batch just finished gone from the micro-batches in flight;
-* the start of a later backward: the units re-sharded by the forwards in between (the root and up to
-  two units gathered), every gradient accumulated, and every micro-batch in flight (one fewer when the
-  step has no forward left between the first and second backward).
+* the start of a later backward: the units re-sharded by the forwards in between (the root and the
+  unit in backward gathered), every gradient accumulated and the unit's new one, and every micro-batch in
+  flight (one fewer when the step has no forward left between the first and second backward).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def root_reduce_phase(r: RootReduce, params: float, st_params: float, st_grads: 
 def pipelined_stage3_phases(params: float, optim: float, buckets: float, grads: float, c_bytes: int,
                             root: float, unit: float, layers: int, block: float, first: bool, *,
                             per_stage: float, acts: float, last: float, later: bool, forward_acts: float,
-                            embedding_grad: float = 0.0) -> dict[str, Parts]:
+                            embedding_grad: float = 0.0, temps: float = 0.0) -> dict[str, Parts]:
     """(params, grads, optim, activations, buffers) at the two peaks above, as "backward" (its start) and
     "block gradients" (the stage's backward end). ``acts``: the in-flight micro-batches' saved tensors and
     stage-boundary tensors; ``last``: what the running backward adds (the loss's remains, recompute,
@@ -118,7 +118,10 @@ def pipelined_stage3_phases(params: float, optim: float, buckets: float, grads: 
     start_acts = acts if later else max(0.0, acts - per_stage)
     return {
         "forward end": (params + (root + unit) * c_bytes, grads, optim, forward_acts, buckets),
-        "backward": (params + (root + min(2, layers) * unit) * c_bytes, grads, optim, start_acts + last, buckets),
+        # The first unit's backward: it alone is gathered (the root too), its new gradient waits to be added
+        # to the accumulated one, with the block's backward temporaries (``temps``).
+        "backward": (params + (root + unit) * c_bytes, grads + unit * c_bytes, optim, start_acts + last + temps,
+                     buckets),
         "block gradients": (params + everything, grads + transient, optim, max(0.0, acts - per_stage), buckets),
     }
 
