@@ -93,9 +93,9 @@ def _round(names: list[str], steps: int, quick: bool, reverse: bool, root: Path)
 
 
 def score(pred: list[float], real: list[float]) -> tuple[int, float]:
-    """(layouts within 25%, Spearman rank correlation)."""
+    """(layouts within 25%, Spearman rank correlation; nan for fewer than two layouts, as with --only)."""
     within = sum(abs(p / m - 1) <= 0.25 for p, m in zip(pred, real, strict=True))
-    return within, statistics.correlation(ranks(pred), ranks(real))
+    return within, statistics.correlation(ranks(pred), ranks(real)) if len(pred) > 1 else float("nan")
 
 
 def checked_args(parser: argparse.ArgumentParser) -> argparse.Namespace:

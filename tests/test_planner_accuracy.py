@@ -48,6 +48,12 @@ KINDS = {
     "tp-mixed": (Layout(tp=2, micro_batch=2), MIXED_4),
     "zero2-op-long": (Layout(dp_shard=4, zero_stage=2, activation_checkpointing="op", micro_batch=2), LONG),
     "fsdp-tp-long": (Layout(dp_shard=4, tp=2, zero_stage=3, sp=True, loss_parallel=True, micro_batch=2), LONG),
+    # Pipelined ZeRO-3 under TP (its two peaks, the first stage's fp32 embedding gradient); full recompute
+    # at a long sequence in mixed precision (the logits held through backward, the blocks' temporaries);
+    # zbv's split backward.
+    "pp-fsdp-tp": (Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True), MIXED),
+    "zero3-ac-long": (Layout(dp_shard=2, zero_stage=3, activation_checkpointing="full", micro_batch=1), LONG),
+    "pp-zbv": (Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1), FP32),
     "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), EAGER, GPT),
     "gpt-eager-attention-long": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2,
                                         activation_checkpointing="attention"), EAGER_LONG, GPT),
