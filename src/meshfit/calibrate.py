@@ -4,7 +4,8 @@ Every rank measures at once (on a CPU the ranks share the cores, as training's r
 intra-op threads the launcher gives them): matmuls at a transformer block's shapes (forward and both
 backward products) per dtype, fused causal attention forward + backward, the fused AdamW step's memory
 traffic, the collectives meshfit uses per group size (large messages for bus bandwidth, small ones for
-latency), how much of an all-reduce a concurrent matmul hides, and on CUDA pinned host↔device copies.
+latency) and how much of an all-reduce a concurrent matmul hides (calibrate_collectives.py), and on CUDA
+pinned host↔device copies. Each measurement is timed as calibrate_timing.py says.
 With a model also its own training rate, split from a cost per dispatched operator, on several ranks that
 of its blocks laid out tensor-parallel (calibrate_tp.py) and the collectives at the message sizes its
 layouts send (calibrate_sizes.py), and the kernels one compiled block launches (calibrate_compile.py). The
@@ -14,69 +15,22 @@ slowest rank's compute rates are kept (it sets the step's pace).
 from __future__ import annotations
 
 import datetime
-import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshfit.calibrate_sizes import at_sizes, layout_messages
+from meshfit.calibrate_collectives import collectives, group_sizes, overlap
+from meshfit.calibrate_timing import TARGET_S, timed, timed_together
+from meshfit.calibrate_sizes import layout_messages
 from meshfit.calibrate_tp import SHORT_SEQ, model_for_rates, split_fixed, slowest_tp, tp_rates
-from meshfit.planner.profile import GroupLinks, HardwareProfile, Rates
-from meshfit.planner.comm_time import ring_terms
+from meshfit.planner.profile import HardwareProfile, Rates
 from meshfit.units import fmt_bytes
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
 
-# Per measurement: repeat until this many seconds have passed (at least MIN_REPS calls, after one warm-up).
-TARGET_S = {"full": 0.4, "quick": 0.12}
-MIN_REPS = 3
-COLLECTIVES = tuple(GroupLinks.model_fields)  # the profile's fields name what is measured
 DTYPES = tuple(Rates.model_fields)
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], Any], device: Any, target_s: float) -> float:
-    """Median seconds per call of ``fn``."""
-    fn()
-    _sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < MIN_REPS or time.perf_counter() - start < target_s:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _timed_together(fn: Callable[[], Any], device: Any, target_s: float, group: Any = None) -> float:
-    """``_timed`` for collectives: every rank of ``group`` must make the same number of calls, so the count
-    follows from the slowest rank's first call."""
-    import torch
-    import torch.distributed as dist
-
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-    reps = max(MIN_REPS, min(200, int(target_s / max(float(first), 1e-6))))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _matmul_rate(device: Any, dtype: Any, dim: int, tokens: int, target_s: float) -> float:
@@ -90,7 +44,7 @@ def _matmul_rate(device: Any, dtype: Any, dim: int, tokens: int, target_s: float
         w = torch.randn(dim, width, device=device, dtype=dtype)
         g = torch.randn(tokens, width, device=device, dtype=dtype)
         for fn in (lambda: x @ w, lambda: g @ w.T, lambda: x.T @ g):
-            seconds += _timed(fn, device, target_s / 6)
+            seconds += timed(fn, device, target_s / 6)
             flops += 2.0 * tokens * dim * width
     return flops / seconds
 
@@ -109,7 +63,7 @@ def _attention_rate(device: Any, dtype: Any, dim: int, seq: int, target_s: float
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
 
-    return 12.0 * seq * dim * batch * seq / _timed(step, device, target_s)
+    return 12.0 * seq * dim * batch * seq / timed(step, device, target_s)
 
 
 def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, target_s: float
@@ -140,7 +94,7 @@ def _model_rate(device: Any, dtype: Any, model: Any, seq: int, tokens: int, targ
         return run
 
     points = [(1, SHORT_SEQ), (max(1, tokens // seq), seq)]
-    rate, fixed = split_fixed(*((_timed(step(b, s), device, target_s / 2), flops_per_token(cfg, s) * b * s)
+    rate, fixed = split_fixed(*((timed(step(b, s), device, target_s / 2), flops_per_token(cfg, s) * b * s)
                                 for b, s in points))
     return rate, fixed / count_ops(step(1, SHORT_SEQ))[0]
 
@@ -176,124 +130,7 @@ def _optimizer_rate(device: Any, numel: int, target_s: float) -> float:
     p.grad = torch.randn(numel, device=device)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
     traffic = 2 * STORAGE_BYTES["fp32"] * (2 + OPTIMIZER_STATES["adamw"])  # as timing.py's step_bytes
-    return traffic * numel / _timed(opt.step, device, target_s)
-
-
-def _collective(op: str, group: Any, rank: int, size: int, nbytes: int, device: Any, target_s: float) -> float:
-    """Seconds per call of ``op`` over ``group`` for a buffer of ``nbytes`` (the whole gathered / reduced
-    buffer; send/recv: one message each way, halved)."""
-    import torch
-    import torch.distributed as dist
-
-    n = max(size, nbytes // 4 // size * size)
-    full = torch.ones(n, device=device)
-    part = torch.ones(n // size, device=device)
-    if op == "all_reduce":
-        fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
-    elif op == "all_gather":
-        # The calls FSDP2 makes (torch 2.13 names them deprecated; their replacements are newer than 2.11).
-        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated")
-        fn = lambda: dist.all_gather_into_tensor(full, part, group=group)  # noqa: E731
-    elif op == "reduce_scatter" and dist.get_backend(group) == "gloo":
-        from meshfit.parallel.host_reduce import reduce_scatter  # what FSDP2 runs on CPU ranks
-
-        fn = lambda: reduce_scatter(part, full, group, dist.ReduceOp.AVG)  # noqa: E731
-    elif op == "reduce_scatter":
-        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor` is deprecated")
-        fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731
-    else:
-        peer = 1 - rank
-
-        def fn() -> None:  # ping-pong between the group's first two ranks
-            if rank == 0:
-                dist.send(full, peer, group=group)
-                dist.recv(full, peer, group=group)
-            else:
-                dist.recv(full, peer, group=group)
-                dist.send(full, peer, group=group)
-    dist.barrier(group=group)
-    seconds = _timed_together(fn, device, target_s, group)
-    return seconds / 2 if op == "send_recv" else seconds
-
-
-def group_sizes(world: int) -> list[int]:
-    """Group sizes to measure: powers of two up to the world, and the world."""
-    sizes = {world} if world > 1 else set()
-    n = 2
-    while n < world:
-        sizes.add(n)
-        n *= 2
-    return sorted(sizes)
-
-
-def _collectives(device: Any, big: int, small: int, target_s: float, say: Callable[[str], None],
-                 messages: dict[str, list[int]] | None = None
-                 ) -> tuple[dict[int, dict[str, dict[str, float]]], dict[int, dict[str, dict[int, float]]]]:
-    """({group size: {op: line}}, {group size: {op: {bytes: seconds}}} at ``messages``' sizes, when given)."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    backend = "nccl" if device.type == "cuda" else None
-    pair = dist.new_group([0, 1], backend=backend)  # every rank takes part in new_group
-    # Point to point is between two ranks whatever the group size: measured once.
-    send_recv = _link("send_recv", pair, rank, 2, big, small, device, target_s) if rank < 2 else {}
-    say(f"send/recv between 2 ranks: {_describe(send_recv)}")
-    sent = at_sizes(_collective, "send_recv", pair, rank, 2, send_recv, messages, device, target_s, say) \
-        if rank < 2 else {}
-    out: dict[int, dict[str, dict[str, float]]] = {}
-    times: dict[int, dict[str, dict[int, float]]] = {}
-    for size in group_sizes(world):
-        group = dist.new_group(list(range(size)), backend=backend)
-        results = {"send_recv": send_recv}
-        times[size] = {"send_recv": sent} if sent else {}
-        for op in COLLECTIVES:
-            if op == "send_recv" or rank >= size:
-                continue
-            results[op] = _link(op, group, rank, size, big, small, device, target_s)
-            say(f"{op} over {size} ranks: {_describe(results[op])}")
-            if messages:
-                times[size][op] = at_sizes(_collective, op, group, rank, size, results[op], messages, device,
-                                           target_s, say)
-        dist.barrier()
-        out[size] = results
-    return out, {n: t for n, t in times.items() if t}
-
-
-def _link(op: str, group: Any, rank: int, n: int, big: int, small: int, device: Any, target_s: float
-          ) -> dict[str, float]:
-    """Bus bandwidth from a large message, per-hop latency from a small one."""
-    t_big = _collective(op, group, rank, n, big, device, target_s)
-    t_small = _collective(op, group, rank, n, small, device, target_s)
-    moved, hops = ring_terms(op, n)  # the time model's ring, read backwards
-    bus = moved * big / t_big
-    latency = max(0.0, t_small - moved * small / bus) / hops
-    return {"bus_bytes_per_s": bus, "latency_s": latency}
-
-
-def _describe(link: dict[str, float]) -> str:
-    return f"{link['bus_bytes_per_s'] / 1e9:.2f} GB/s bus, {link['latency_s'] * 1e6:.0f} µs per hop" if link else ""
-
-
-def _overlap(device: Any, dim: int, tokens: int, nbytes: int, target_s: float, group: Any) -> float:
-    """Share of a matmul loop's time that hides a concurrent all-reduce: (t_comm + t_compute − t_both) /
-    t_compute, with the all-reduce sized to last about as long as the compute."""
-    import torch
-    import torch.distributed as dist
-
-    x = torch.randn(tokens, dim, device=device)
-    w = torch.randn(dim, 4 * dim, device=device)
-    buf = torch.ones(max(1, nbytes // 4), device=device)
-    compute = lambda: [x @ w for _ in range(4)]  # noqa: E731
-    t_c = _timed(compute, device, target_s)
-    t_a = _timed_together(lambda: dist.all_reduce(buf, group=group), device, target_s, group)
-
-    def both() -> None:
-        work = dist.all_reduce(buf, group=group, async_op=True)
-        compute()
-        work.wait()
-
-    t_b = _timed_together(both, device, target_s, group)
-    return min(1.0, max(0.0, (t_a + t_c - t_b) / t_c))
+    return traffic * numel / timed(opt.step, device, target_s)
 
 
 def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None = None, seq: int = 0,
@@ -330,7 +167,7 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
             _model_pass(out, device, dtypes[name], name, model, seq, tokens, 3 * target, say)
     if model is not None and world > 1:
         # Two batch sizes per point and a difference of their times: longer, for a steadier fit.
-        out["tp_flops"] = tp_rates(device, dtypes, model, seq, tokens, 5 * target, _timed_together,
+        out["tp_flops"] = tp_rates(device, dtypes, model, seq, tokens, 5 * target, timed_together,
                                    group_sizes(world), say)
     dist.barrier()
     numel = (1 << 22) if device.type == "cpu" else (1 << 26)
@@ -340,11 +177,11 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
     if quick:
         big //= 4
     messages = layout_messages(model, seq) if model is not None and world > 1 else None
-    out["collectives"], out["collective_times"] = _collectives(device, big, small, target, say, messages) \
+    out["collectives"], out["collective_times"] = collectives(device, big, small, target, say, messages) \
         if world > 1 else ({}, {})
     if world > 1:
         everyone = dist.new_group(list(range(world)), backend="nccl") if cuda else None
-        out["overlap"] = _overlap(device, dim, tokens, big, 2 * target, everyone)
+        out["overlap"] = overlap(device, dim, tokens, big, 2 * target, everyone)
         say(f"all-reduce hidden behind a concurrent matmul: {out['overlap']:.0%}")
     if model is not None:  # a second pass, seconds later, averaged with the first (see _model_pass)
         for name in DTYPES:
@@ -352,7 +189,7 @@ def measure_rank(threads: int, dim: int, quick: bool, model: ModelConfig | None 
     if cuda:
         host = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
         dev_buf = torch.empty_like(host, device=device)
-        out["host_device_bytes_per_s"] = host.numel() / _timed(lambda: dev_buf.copy_(host, non_blocking=True),
+        out["host_device_bytes_per_s"] = host.numel() / timed(lambda: dev_buf.copy_(host, non_blocking=True),
                                                                device, target)
         say(f"host → device: {fmt_bytes(out['host_device_bytes_per_s'])}/s")
         out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
