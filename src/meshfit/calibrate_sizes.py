@@ -1,7 +1,7 @@
 """`meshfit calibrate --model`: collectives timed at the message sizes the model's layouts send.
 
-The bandwidth/latency line (calibrate_collectives.py `_link`) goes through two sizes, 8 MiB and 4 KiB on CPU ranks, and
-a layout's messages lie between them or beyond: a tensor-parallel block's activations, a pipeline stage's
+The bandwidth/latency line (calibrate_collectives.py `_link`) goes through two sizes, 8 MiB and 4 KiB on
+CPU ranks, and a layout's messages lie between them or beyond: a tensor-parallel block's activations, a pipeline stage's
 boundary activation, one FSDP unit's parameters. Each collective is also timed at those sizes and kept as
 measured points ({group size: {op: {bytes: seconds}}}); the time model interpolates between them
 (planner/comm_time.py `collective_s`) and keeps the line beyond them.

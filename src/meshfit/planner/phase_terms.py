@@ -4,9 +4,10 @@ The root reduction (`root_reduce_phase`): the end of backward, when the root uni
 
 A pipeline rank's micro-batches in flight (`stage_acts`), zbv's split backward included.
 
-A pipeline rank whose stages are sharded at ZeRO-3 (`pipelined_stage3_phases`): torch's stage defers FSDP's gradient reduction to the step's last backward, so gradients accumulate
-unsharded (in the reduce dtype) from the first backward on, and units stay gathered after their backward
-until the next forward re-shards them. The dry run's timeline (Llama-3 8B, PP 4 × FSDP 16, 1F1B, seq 2048,
+A pipeline rank whose stages are sharded at ZeRO-3 (`pipelined_stage3_phases`): torch's stage defers FSDP's
+gradient reduction to the step's last backward, so gradients accumulate unsharded (in the reduce dtype)
+from the first backward on, and units stay gathered after their backward until the next forward
+re-shards them. The dry run's timeline (Llama-3 8B, PP 4 × FSDP 16, 1F1B, seq 2048,
 mixed precision, 4 and 8 micro-batches per step, first stage) shows two peaks of nearly the same height:
 
 * the end of a backward: every unit of the stage gathered, every gradient accumulated, the last unit's
