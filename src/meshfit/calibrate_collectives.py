@@ -132,5 +132,3 @@ def overlap(device: Any, dim: int, tokens: int, nbytes: int, target_s: float, gr
 
     t_b = timed_together(both, device, target_s, group)
     return min(1.0, max(0.0, (t_a + t_c - t_b) / t_c))
-
-

@@ -24,13 +24,12 @@ import re
 import sys
 
 from meshfit.models.config import ModelConfig
-from meshfit.planner.op_count import COUNTED_POLICIES, op_counts, shrunk
+from meshfit.planner.op_count import COUNTED_POLICIES, counting_step, op_counts
 from meshfit.planner.profile import CompiledLaunches
 
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)  # a kernel the generated module builds
 _CALL = re.compile(r"^\s*(?:\w+ = )?([\w.]+)\(", re.M)  # a statement that calls something
 _EXTERN = ("extern_kernels.", "torch.ops.")  # library kernels (mm, addmm, ...) and aten fallbacks (attention)
-_SEQ = 16
 
 
 def count_launches(source: str) -> int:
@@ -40,23 +39,12 @@ def count_launches(source: str) -> int:
 
 
 def _block_launches(model: ModelConfig, policy: str, device: str) -> int:
-    import torch
     from torch._inductor.utils import run_and_get_code
 
-    from meshfit.models import build_model, init_weights
-    from meshfit.parallel.activation import apply_activation_checkpointing
-    from meshfit.train.loss import lm_loss
-
-    cfg = shrunk(model, 1)
-    net = build_model(cfg, "meta")
-    net.to_empty(device=device)
-    init_weights(net, 0, cfg, None)
-    if policy != "none":
-        apply_activation_checkpointing(net, policy, 1)
+    net, step = counting_step(model, 1, policy, device)
     for block in net.layers.values():
         block.compile(fullgraph=True)
-    x = torch.randint(0, cfg.vocab_size, (1, _SEQ), device=device)
-    _, sources = run_and_get_code(lambda: lm_loss(net(x), x, cfg.vocab_size).backward())
+    _, sources = run_and_get_code(step)
     return sum(count_launches(s) for s in sources)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 TARGET_S = {"full": 0.4, "quick": 0.12}
 MIN_REPS = 3
 
+
 def _sync(device: Any) -> None:
     import torch
 
@@ -52,5 +53,3 @@ def timed_together(fn: Callable[[], Any], device: Any, target_s: float, group: A
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-

@@ -118,8 +118,9 @@ def collective_s(cluster: Cluster, op: str, stride: int, n: int, nbytes: float) 
         return line(n)(nbytes)
     measured_n, points = prof.measured_sizes(n, op)
     t = along_points(points, nbytes, line(measured_n))
-    if measured_n != n and points:
-        t *= line(n)(nbytes) / line(measured_n)(nbytes)
+    base = line(measured_n)(nbytes)
+    if measured_n != n and points and base > 0:
+        t *= line(n)(nbytes) / base
     return t
 
 

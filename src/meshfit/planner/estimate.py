@@ -101,12 +101,12 @@ def _block_params(model: ModelConfig, tp: int) -> float:
 def _largest_unit(model: ModelConfig, max_unit_params: int) -> int | None:
     """The largest FSDP unit of one of `model`'s blocks, in parameters before tensor parallelism, from a
     block built on the meta device and split by the trainer's own rule; None when blocks are not split."""
+    if _block_params(model, 1) <= max_unit_params:
+        return None
     # A one-block model on meta: no memory, no initialization (torch is imported only when a block is split).
     from meshfit.models import build_model
     from meshfit.parallel.units import sub_units, unit_sizes
 
-    if _block_params(model, 1) <= max_unit_params:
-        return None
     block = build_model(replace(model, n_layers=1), "meta").layers["0"]
     return max(unit_sizes(block, max_unit_params)) if sub_units(block, max_unit_params) else None
 
@@ -351,13 +351,20 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         phases.update(pipelined_stage3_phases(
             params, optim, buckets, grads_loss, c_bytes, share.root_params, share.unit_params, share.layers,
             share.block_params, share.first, per_stage=act_mb / share.stages, acts=acts - head,
+            # A recomputed split block is gathered whole by its re-run forward (see `with_grads` above).
+            in_backward=share.block_params if with_grads is not None else share.unit_params,
             last=block_acts - acts + head + recompute + working, later=micro * share.stages > in_flight,
             forward_acts=acts - (head - head_saved),
             # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
-            # (measured: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
+            # (measured at ZeRO-3 only: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
             embedding_grad=(model.padded_vocab * model.dim * 4
                             if share.first and layout.tp > 1 and stage == 3 else 0.0),
             temps=BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)))
+    if fsdp and layout.pp > 1 and in_flight >= micro * share.stages:
+        # Every forward of the step before any backward (GPipe): no gradient exists up to the loss.
+        for name in ("loss", "forward end"):
+            p_, _, o_, a_, b_ = phases[name]
+            phases[name] = (p_, 0.0, o_, a_, b_)
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
@@ -366,9 +373,12 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         # The head's backward: its weight gradient (compute dtype, unsharded) next to every saved tensor;
         # stage 3 has not gathered the last block again yet. In fp32 one logits-sized fp32 tensor of the
         # loss is gone by then (measured with torch's tracker on the `small` preset, vocabulary 8192).
+        # The loss's own tensors are still alive here: the logits, the log-softmax output and one fp32
+        # gradient of the logits (block_acts counts what is left of them in the blocks' backward).
         freed = tokens * vocab * 4 if c_bytes == 4 else 0.0
+        at_head = acts - head + tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
         held_params = params + (gathered_loss if keep else share.root_params * c_bytes)
-        phases["head backward"] = (held_params, grads_loss, optim, block_acts + head_grad - freed, buckets)
+        phases["head backward"] = (held_params, grads_loss, optim, at_head + head_grad - freed, buckets)
     if fsdp and layout.pp == 1:
         r_bytes = _reduce_bytes(workload, layout, c_bytes)
         phases["root reduce"] = root_reduce_phase(

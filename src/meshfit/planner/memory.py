@@ -281,45 +281,24 @@ def split_backward_states(pp: int, stage: int, microbatches: int) -> tuple[tuple
     Between its input- and weight-gradient steps torch keeps a micro-batch's autograd graph (every saved
     tensor, recomputed ones included) and the gradients of the weights' outputs, so such a micro-batch
     weighs more than one only waiting for its backward; the rank's peak is the heaviest state. Read off
-    the operation order torch 2.13's ``ScheduleZBVZeroBubble`` generates (`tests/test_planner.py` checks
-    the closed form against it): with M ≥ 2·pp micro-batches every rank reaches (2·pp, 0) and
-    (2·pp − 1, 1), and rank r ≥ 1 also (pp − r − 1, 2·r + 1) (of the states on its diagonal, the heaviest
-    when a split micro-batch weighs at least a waiting one). With fewer the order is read from torch.
+    the operation order torch 2.13's ``ScheduleZBVZeroBubble`` generates (`tests/test_planner_memory.py`
+    checks this closed form against it for pp 1-8 and 1 to 3·pp micro-batches), keeping the states that
+    can be the heaviest when a split micro-batch weighs at least a waiting one: with n =
+    min(M + 1 + r, 2·pp, 2·M) micro-batches in flight, (n, 0) and (n − 1, 1); and, where the rank ever
+    holds two or more split micro-batches, the state with the most of them. Its waiting and split counts
+    sum to S = max(2·M' − 3·pp + r + 2, M' − pp + 1) with M' = min(M, 2·pp − 1), of which
+    k = max(0, M' − pp − r) are waiting (for M ≥ 2·pp: (pp − r − 1, 2·r + 1)).
     """
     _check_int("pp", pp, 1)
     _check_int("microbatches", microbatches, 1)
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{pp - 1}")
-    if microbatches >= 2 * pp:
-        steady = ((2 * pp, 0), (2 * pp - 1, 1))
-        return steady + (((pp - stage - 1, 2 * stage + 1),) if stage >= 1 else ())
-    return _zbv_states_from_torch(pp, stage, microbatches)
-
-
-@functools.lru_cache(maxsize=1024)
-def _zbv_states_from_torch(pp: int, stage: int, microbatches: int) -> tuple[tuple[int, int], ...]:
-    # Imported here: the planner's other paths never import torch.
-    from torch.distributed.pipelining import schedules
-
-    # The rank's order depends only on these sizes; no stage (module) is needed to compute it.
-    sched = schedules.ScheduleZBVZeroBubble.__new__(schedules.ScheduleZBVZeroBubble)
-    sched.pp_group_size, sched._n_microbatches, sched.n_local_stages = pp, microbatches, 2
-    sched.num_stages = sched._num_stages = 2 * pp
-    waiting: set[tuple[int, int]] = set()
-    split: set[tuple[int, int]] = set()
-    states = {(0, 0)}
-    for action in sched._calculate_single_rank_operations(stage):
-        if action is None:
-            continue
-        key, kind = (action.stage_index, action.microbatch_index), action.computation_type.name
-        if kind == "FORWARD":
-            waiting.add(key)
-        elif kind in ("BACKWARD_INPUT", "FULL_BACKWARD"):
-            waiting.discard(key)
-            if kind == "BACKWARD_INPUT":
-                split.add(key)
-        elif kind == "BACKWARD_WEIGHT":
-            split.discard(key)
-        states.add((len(waiting), len(split)))
-    # Only the states no other state dominates can be the heaviest.
-    return tuple(sorted(s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states)))
+    m, r = microbatches, stage
+    n = min(m + 1 + r, 2 * pp, 2 * m)
+    states = [(n, 0), (n - 1, 1)]
+    steady = min(m, 2 * pp - 1)
+    total = max(2 * steady - 3 * pp + r + 2, steady - pp + 1)
+    waiting = max(0, steady - pp - r)
+    if total - waiting >= 2:
+        states.append((waiting, total - waiting))
+    return tuple(states)

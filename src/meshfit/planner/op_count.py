@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -91,7 +91,11 @@ def shrunk(model: ModelConfig, n_layers: int) -> ModelConfig:
                                max_seq_len=_SEQ)
 
 
-def _step_ops(model: ModelConfig, n_layers: int, policy: str) -> tuple[int, int]:
+def counting_step(model: ModelConfig, n_layers: int, policy: str, device: str = "cpu"
+                  ) -> tuple[Any, Callable[[], None]]:
+    """meshfit's model of ``model``'s structure at counting sizes (``shrunk``), under the recompute policy,
+    and one training step of it (forward, loss, backward on one sequence): what operators and compiled
+    launches are counted on."""
     import torch
 
     from meshfit.models import build_model, init_weights
@@ -100,12 +104,16 @@ def _step_ops(model: ModelConfig, n_layers: int, policy: str) -> tuple[int, int]
 
     cfg = shrunk(model, n_layers)
     net = build_model(cfg, "meta")
-    net.to_empty(device="cpu")
+    net.to_empty(device=device)
     init_weights(net, 0, cfg, None)
     if policy != "none":
         apply_activation_checkpointing(net, policy, 1)
-    x = torch.randint(0, cfg.vocab_size, (1, _SEQ))
-    return count_ops(lambda: lm_loss(net(x), x, cfg.vocab_size).backward())
+    x = torch.randint(0, cfg.vocab_size, (1, _SEQ), device=device)
+    return net, lambda: lm_loss(net(x), x, cfg.vocab_size).backward()
+
+
+def _step_ops(model: ModelConfig, n_layers: int, policy: str) -> tuple[int, int]:
+    return count_ops(counting_step(model, n_layers, policy)[1])
 
 
 def op_counts(model: ModelConfig, policy: str) -> OpCounts:

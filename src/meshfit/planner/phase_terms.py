@@ -105,13 +105,15 @@ def root_reduce_phase(r: RootReduce, params: float, st_params: float, st_grads: 
 def pipelined_stage3_phases(params: float, optim: float, buckets: float, grads: float, c_bytes: int,
                             root: float, unit: float, layers: int, block: float, first: bool, *,
                             per_stage: float, acts: float, last: float, later: bool, forward_acts: float,
-                            embedding_grad: float = 0.0, temps: float = 0.0) -> dict[str, Parts]:
+                            embedding_grad: float = 0.0, temps: float = 0.0, in_backward: float | None = None
+                            ) -> dict[str, Parts]:
     """(params, grads, optim, activations, buffers) at the two peaks above, as "backward" (its start) and
     "block gradients" (the stage's backward end). ``acts``: the in-flight micro-batches' saved tensors and
     stage-boundary tensors; ``last``: what the running backward adds (the loss's remains, recompute,
     temporaries); ``later``: a forward runs between the first and second backward; ``forward_acts``: what a
     forward's end holds (the root and the unit just run are gathered then); ``embedding_grad``: the first
-    stage's embedding gradient when it is larger than the last unit's 16-bit one."""
+    stage's embedding gradient when it is larger than the last unit's 16-bit one; ``in_backward``: what a
+    backward gathers at a time (a whole block when a split block is recomputed; by default one unit)."""
     # Under 16-bit compute every unit stays gathered; in fp32 the timeline shows units re-sharded after
     # their backward as well (`small`, PP 2 × FSDP 2 × TP 2 + SP, 8 ranks: the root and one unit at the end).
     everything = (root + (layers * block if c_bytes == 2 else unit)) * c_bytes
@@ -121,8 +123,8 @@ def pipelined_stage3_phases(params: float, optim: float, buckets: float, grads: 
         "forward end": (params + (root + unit) * c_bytes, grads, optim, forward_acts, buckets),
         # The first unit's backward: it alone is gathered (the root too), its new gradient waits to be added
         # to the accumulated one, with the block's backward temporaries (``temps``).
-        "backward": (params + (root + unit) * c_bytes, grads + unit * c_bytes, optim, start_acts + last + temps,
-                     buckets),
+        "backward": (params + (root + (unit if in_backward is None else in_backward)) * c_bytes,
+                     grads + unit * c_bytes, optim, start_acts + last + temps, buckets),
         "block gradients": (params + everything, grads + transient, optim, max(0.0, acts - per_stage), buckets),
     }
 

@@ -4,9 +4,10 @@ layouts lie within that error of each other (their order then says nothing).
 The error figures are the largest errors measured for each basis (README, "Step time"):
 
 * calibrated on the model (`meshfit calibrate --model`): benchmarks/step_time_holdout.py, 14 layouts and
-  shapes the calibration did not see, on 2 CPU ranks of an otherwise quiet host (medians of 3 rounds: 19%,
-  with cp 2 re-run on a quiet host after rounds slowed by other work read −28%; while other work shared
-  the cores the largest error was 51%);
+  shapes the calibration did not see, on 2 CPU ranks (medians of 3 rounds): the largest error was 19%, but
+  for cp 2, which read −28% in rounds that other work slowed and −17%, −21% and +3% alone on a quiet host
+  (one round beyond 19%; the median within). While other work shared the cores the largest error of an
+  earlier release was 51%;
 * datasheet peaks: benchmarks/published_throughput.py against two published runs (large models and
   batches, where the per-operator cost is negligible; eager steps with few tokens run slower than planned,
   as the datasheet model charges nothing per operator);
@@ -45,8 +46,8 @@ def time_basis(gpu: GPU, compiled: bool = False) -> TimeBasis:
         return TimeBasis("datasheet peaks × generic efficiencies", DATASHEET_ERROR,
                          ("a measured rate", "the cost per dispatched operator (small eager steps run slower)"))
     lacks, rests_on = list(prof.lacks()), []
-    if prof.collective_times:
-        sizes = sorted({b for ops in prof.collective_times.values() for t in ops.values() for b in t})
+    sizes = sorted({b for ops in (prof.collective_times or {}).values() for t in ops.values() for b in t})
+    if sizes:
         rests_on.append(f"collectives timed at the calibrated model's message sizes ({fmt_bytes(sizes[0])}–"
                         f"{fmt_bytes(sizes[-1])}, interpolated; the bandwidth/latency line beyond them)")
     if compiled and prof.op_s is not None:  # launches only cost time at a measured cost per operator
