@@ -371,14 +371,11 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         phases["bucket rebuild"] = (params, 2 * st.at_rest_grads, optim, 0.0, buckets)
     if fsdp and layout.pp == 1 and share.last and not accumulated:
         # The head's backward: its weight gradient (compute dtype, unsharded) next to every saved tensor;
-        # stage 3 has not gathered the last block again yet. In fp32 one logits-sized fp32 tensor of the
-        # loss is gone by then (measured with torch's tracker on the `small` preset, vocabulary 8192).
-        # The loss's own tensors are still alive here: the logits, the log-softmax output and one fp32
-        # gradient of the logits (block_acts counts what is left of them in the blocks' backward).
-        freed = tokens * vocab * 4 if c_bytes == 4 else 0.0
-        at_head = acts - head + tokens * vocab * (c_bytes + 8) + head_saved * (held - 1) / held
+        # stage 3 has not gathered the last block again yet. Of the loss, the logits and one fp32 gradient
+        # of them are alive (the dry run's timeline, `small` at seq 1024, fp32 and mixed precision).
+        at_head = acts - head + tokens * vocab * (c_bytes + 4) + head_saved * (held - 1) / held
         held_params = params + (gathered_loss if keep else share.root_params * c_bytes)
-        phases["head backward"] = (held_params, grads_loss, optim, at_head + head_grad - freed, buckets)
+        phases["head backward"] = (held_params, grads_loss, optim, at_head + head_grad, buckets)
     if fsdp and layout.pp == 1:
         r_bytes = _reduce_bytes(workload, layout, c_bytes)
         phases["root reduce"] = root_reduce_phase(
