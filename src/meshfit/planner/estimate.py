@@ -360,11 +360,6 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             embedding_grad=(model.padded_vocab * model.dim * 4
                             if share.first and layout.tp > 1 and stage == 3 else 0.0),
             temps=BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)))
-    if fsdp and layout.pp > 1 and in_flight >= micro * share.stages:
-        # Every forward of the step before any backward (GPipe): no gradient exists up to the loss.
-        for name in ("loss", "forward end"):
-            p_, _, o_, a_, b_ = phases[name]
-            phases[name] = (p_, 0.0, o_, a_, b_)
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
