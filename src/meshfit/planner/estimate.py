@@ -201,6 +201,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     buckets = 2 * model.max_seq_len * model.head_dim * 4 * share.stages if model.family == "llama" else 0.0
     tokens = workload.seq_len // layout.cp * layout.micro_batch  # this rank's part of each sequence
     act_mb, recompute = layout_activations(model, layout, workload, share.layers, mode)
+    block_temps = BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
     local = workload.global_batch // layout.dp
     micro = max(1, local // layout.micro_batch)
     # GPipe runs every forward, loss included, before any backward; the other schedules start a
@@ -266,7 +267,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             # fp32 copy for the reduce-scatter; the larger of the two is the peak. Reduced in the compute
             # dtype there is no copy.
             unit_grads = unit * (r_bytes + c_bytes if r_bytes != c_bytes else c_bytes)
-            working = tokens * model.dim * BACKWARD_TEMPS[model.family] * c_bytes / (layout.tp if layout.sp else 1)
+            working = block_temps
         if accumulated:
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
             # being the head's weight gradient; accumulated in a wider reduce dtype (stage 0 under mixed
@@ -311,9 +312,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
     root_copy = share.root_params * c_bytes if spare and c_bytes == 4 else 0.0
     # fp32 without recompute: a block's backward peaks either with its temporaries, before its gradients
     # exist (long sequences), or once its gradients exist (short ones): the larger of the two.
-    fp32_temps = (BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
-                  if fsdp and mode == "fp32" and layout.activation_checkpointing == "none" and layout.pp == 1
-                  else 0.0)
+    fp32_temps = (block_temps if fsdp and mode == "fp32" and layout.activation_checkpointing == "none"
+                  and layout.pp == 1 else 0.0)
     fp32_temps = fp32_temps if fp32_temps > unit_grads else 0.0
     phases = {
         # Stage 3 (and stage-0 replicas) re-shard the root too once the model's forward returns, before
@@ -359,7 +359,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             # (measured at ZeRO-3 only: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
             embedding_grad=(model.padded_vocab * model.dim * 4
                             if share.first and layout.tp > 1 and stage == 3 else 0.0),
-            temps=BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)))
+            temps=block_temps))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
