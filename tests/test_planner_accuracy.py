@@ -54,6 +54,9 @@ KINDS = {
     "pp-fsdp-tp": (Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True), MIXED),
     "zero3-ac-long": (Layout(dp_shard=2, zero_stage=3, activation_checkpointing="full", micro_batch=1), LONG),
     "pp-zbv": (Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1), FP32),
+    # An interleaved rank's stages accumulate and reduce their gradients at different times (m = p).
+    "pp-interleaved-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
+                                   micro_batch=1), MIXED_4),
     "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), EAGER, GPT),
     "gpt-eager-attention-long": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2,
                                         activation_checkpointing="attention"), EAGER_LONG, GPT),

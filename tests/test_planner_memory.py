@@ -296,6 +296,29 @@ def test_multi_stage_counts_follow_torch_op_order():
             assert pipeline_in_flight_microbatches(name, pp, rank, m, virtual=v) == torch_peak, (name, pp, m, v, rank)
 
 
+def test_rank_actions_follow_torch_op_order():
+    # The order the pipelined ZeRO-3 phases walk: torch's interleaved 1F1B op list, stage by stage.
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    from meshfit.planner.memory import rank_actions
+
+    for pp in (2, 3, 4, 8):
+        for v in (2, 3, 4):
+            for m in [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0]:
+                for rank in range(pp):
+                    ops = [("F" if op.computation_type == C.FORWARD else "B", op.stage_index // pp)
+                           for op in _torch_rank_ops("interleaved-1f1b", pp, m, v, rank) if op is not None]
+                    assert list(rank_actions(pp, rank, m, v)) == ops, (pp, v, m, rank)
+
+
+def test_rank_actions_one_stage_is_the_1f1b_shape():
+    from meshfit.planner.memory import rank_actions
+
+    assert rank_actions(4, 1, 5, 1, warmup=3) == (("F", 0),) * 3 + (("B", 0), ("F", 0)) * 2 + (("B", 0),) * 3
+    # GPipe: every forward first.
+    assert rank_actions(2, 0, 3, 1) == (("F", 0),) * 3 + (("B", 0),) * 3
+
+
 def _split_frontier(ops):
     from torch.distributed.pipelining.schedules import _ComputationType as C
 

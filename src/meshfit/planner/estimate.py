@@ -29,8 +29,8 @@ from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
-from meshfit.planner.phase_terms import (RootReduce, boundary_tensors, pipelined_stage3_phases, root_reduce_phase,
-                                         stage_acts)
+from meshfit.planner.phase_terms import (RootReduce, Stage3Terms, boundary_tensors, pipe_stages, pipelined_stage3_phases,
+                                         root_reduce_phase, stage_acts)
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
@@ -223,8 +223,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
                                                     layout.virtual_stages)
         boundary = tokens * model.dim * (4 if mode == "fp32" else 2) / (layout.tp if layout.sp else 1)
-        acts = stage_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro, per_stage,
-                          in_flight) + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
+        saved = stage_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro, per_stage,
+                           in_flight)
+        acts = saved + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
         # 1F1B-style schedules reach their most in-flight micro-batches at the first backward and again in
         # their steady state, after which the stage's gradients exist. A rank that holds every micro-batch
         # of the step at once (GPipe; the others with no more micro-batches than their warm-up) has that
@@ -348,18 +349,22 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         phases["reduce in flight"] = (params + gathered, grads_loss + pending, optim,
                                       block_acts + recompute + working - gone + reducing, buckets)
     if fsdp and layout.pp > 1 and not keep:
-        phases.update(pipelined_stage3_phases(
-            params, optim, buckets, grads_loss, c_bytes, share.root_params, share.unit_params, share.layers,
-            share.block_params, share.first, per_stage=act_mb / share.stages, acts=acts - head,
+        for name in ("loss", "forward end", "backward", "block gradients"):
+            del phases[name]
+        stages, moments = pipe_stages(share, layout.schedule, layout.pp, rank, micro, in_flight)
+        phases.update(pipelined_stage3_phases(Stage3Terms(
+            params, optim, buckets, c_bytes, _reduce_bytes(workload, layout, c_bytes), st.grads / n, ds,
+            share.block_params, share.unit_params,
             # A recomputed split block is gathered whole by its re-run forward (see `with_grads` above).
-            in_backward=share.block_params if with_grads is not None else share.unit_params,
-            last=block_acts - acts + head + recompute + working, later=micro * share.stages > in_flight,
-            forward_acts=acts - (head - head_saved),
+            share.block_params if with_grads is not None else share.unit_params, per_stage,
+            boundary * boundary_tensors(share.stages, share.last, 1),
+            # zbv's split micro-batches are bounded as a whole (stage_acts), not per micro-batch in flight.
+            saved if layout.schedule == "zbv" else None,
+            head_saved / held, head - head_saved, held, tokens * vocab * c_bytes, tokens * vocab * 4,
+            recompute + working, block_temps,
             # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
             # (measured at ZeRO-3 only: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
-            embedding_grad=(model.padded_vocab * model.dim * 4
-                            if share.first and layout.tp > 1 and stage == 3 else 0.0),
-            temps=block_temps))
+            model.padded_vocab * model.dim * 4 if layout.tp > 1 and stage == 3 else 0.0), stages, moments))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.

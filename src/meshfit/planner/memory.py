@@ -269,8 +269,40 @@ def pipeline_in_flight_microbatches(schedule: str, pp: int, stage: int, microbat
     per_round = m // rounds
     if schedule == "interleaved-zb":
         return min(m * v, (v - 1) * per_round + pp)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - r), m * v)
+    warmup = _interleaved_warmup(pp, r, m, v)
     return warmup + (1 if warmup < m * v else 0)
+
+
+def _interleaved_warmup(pp: int, rank: int, m: int, v: int, per_round: int | None = None) -> int:
+    per_round = m // max(1, m // pp) if per_round is None else per_round
+    return min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+
+
+def rank_actions(pp: int, rank: int, microbatches: int, virtual: int, warmup: int | None = None,
+                 rounds: int | None = None) -> tuple[tuple[str, int], ...]:
+    """The order in which pipeline rank ``rank`` runs its micro-batches' forwards ("F") and full
+    backwards ("B"), each on one of its ``virtual`` stages (0 = its first).
+
+    With one stage (``virtual`` 1) it is the 1F1B shape: ``warmup`` forwards, then a backward and a
+    forward in turn, then the remaining backwards (GPipe: warmup = every micro-batch). With several it is
+    the interleaved 1F1B order torch 2.13's ``ScheduleInterleaved1F1B`` generates (warm-up forwards as in
+    :func:`pipeline_in_flight_microbatches`, then a forward and a backward in turn; forwards take each
+    stage for a round of micro-batches in order, backwards in reverse stage order), which
+    `tests/test_planner_memory.py` checks against torch's op lists. ``rounds``, when given, runs only that
+    many of the step's rounds of micro-batches (each of the step's size; interleaved only).
+    """
+    m, v = microbatches, virtual
+    per_round = m // max(1, m // pp)
+    if v == 1:
+        w = min(m, m if warmup is None else warmup)
+        return (("F", 0),) * w + (("B", 0), ("F", 0)) * (m - w) + (("B", 0),) * w
+    if rounds is not None:
+        m = per_round * min(rounds, m // per_round)
+    w = _interleaved_warmup(pp, rank, m, v, per_round)
+    forwards = [("F", (i // per_round) % v) for i in range(m * v)]
+    backwards = [("B", v - 1 - (i // per_round) % v) for i in range(m * v)]
+    steady = [op for pair in zip(forwards[w:], backwards, strict=False) for op in pair]
+    return tuple(forwards[:w] + steady + backwards[m * v - w:])
 
 
 def split_backward_states(pp: int, stage: int, microbatches: int) -> tuple[tuple[int, int], ...]:

@@ -5,29 +5,39 @@ The root reduction (`root_reduce_phase`): the end of backward, when the root uni
 A pipeline rank's micro-batches in flight (`stage_acts`), zbv's split backward included.
 
 A pipeline rank whose stages are sharded at ZeRO-3 (`pipelined_stage3_phases`): torch's stage defers FSDP's
-gradient reduction to the step's last backward, so gradients accumulate unsharded (in the reduce dtype)
-from the first backward on, and units stay gathered after their backward until the next forward
-re-shards them. The dry run's timeline (Llama-3 8B, PP 4 × FSDP 16, 1F1B, seq 2048,
-mixed precision, 4 and 8 micro-batches per step, first stage) shows two peaks of nearly the same height:
+gradient reduction to a stage's last backward, so a stage's gradients accumulate unsharded (in the reduce
+dtype) from its first backward to its last, and its units stay gathered after a backward until a forward
+of the stage re-shards them. The phases walk the rank's order of forwards and backwards (memory.rank_actions)
+and keep the heaviest moment of each kind; measured with the dry run's timeline (Llama-3 8B, PP 4 × FSDP 16,
+1F1B, 4 and 8 micro-batches; `small`, PP 2 × FSDP 2, 1F1B, GPipe and interleaved 1F1B, mixed precision
+and fp32), the peak is one of:
 
 * the end of a backward: every unit of the stage gathered, every gradient accumulated, the last unit's
   (on the first stage the embedding's) compute-dtype gradient next to its reduce-dtype accumulator, and
   the micro-batch just finished gone from the micro-batches in flight;
-* the start of a later backward: the units re-sharded by the forwards in between (the root and the
-  unit in backward gathered), every gradient accumulated and the unit's new one, and every micro-batch in
-  flight (one fewer when the step has no forward left between the first and second backward).
+* the start of a backward: the units re-sharded by the forwards in between (the root and the unit in
+  backward gathered), the accumulated gradients and the unit's new one, every micro-batch in flight;
+* on the loss's stage, the loss's and the head's backward;
+* a stage's last backward, which reduces its gradients unit by unit.
+
+An interleaved rank's stages start and finish their backwards at different times: at m = p the last
+stage's backwards all run before the first stage's, so the rank never holds both stages' accumulators
+(Llama-3 8B, PP 4 interleaved × FSDP 16: the dry run's 18.3 GiB, where treating the rank as one stage
+planned 23.9).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from meshfit.planner.activations import layout_activations
-from meshfit.planner.memory import split_backward_states
+from meshfit.planner.memory import rank_actions, split_backward_states
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
+    from meshfit.planner.estimate import _Share
     from meshfit.planner.layout import Layout, Workload
 
 Parts = tuple[float, float, float, float, float]
@@ -102,31 +112,180 @@ def root_reduce_phase(r: RootReduce, params: float, st_params: float, st_grads: 
     return (params, accumulated or sharded + root, optim, (cast or output) + logits, buckets)
 
 
-def pipelined_stage3_phases(params: float, optim: float, buckets: float, grads: float, c_bytes: int,
-                            root: float, unit: float, layers: int, block: float, first: bool, *,
-                            per_stage: float, acts: float, last: float, later: bool, forward_acts: float,
-                            embedding_grad: float = 0.0, temps: float = 0.0, in_backward: float | None = None
+@dataclass(frozen=True)
+class PipeStage:
+    """One of a pipeline rank's stages, in parameters (after tensor parallelism, before sharding)."""
+
+    params: float  # every parameter, root included
+    root: float  # embedding, or final norm and head
+    layers: float
+    loss: bool  # runs the loss
+    embedding: bool  # holds the embedding
+
+
+@dataclass(frozen=True)
+class Stage3Terms:
+    """What a pipelined ZeRO-3 rank's phases add to its resident states, besides its stages."""
+
+    params: float  # resident (sharded) weights, bytes
+    optim: float
+    buckets: float
+    c_bytes: int
+    r_bytes: int  # bytes of an accumulated (unreduced) gradient element
+    reduced: float  # bytes per parameter of a reduced gradient shard
+    shard: int  # ranks the gradients are reduced over
+    block: float  # parameters of one block
+    unit: float  # of the largest FSDP unit
+    in_backward: float  # gathered at a time in backward: a unit, or a whole block when a split one is recomputed
+    per_stage: float  # saved activations of one micro-batch through one stage
+    boundary: float  # stage-boundary tensors per micro-batch in flight (boundary_tensors)
+    split_acts: float | None  # zbv: the saved tensors of its heaviest state (stage_acts), whatever is in flight
+    loss_saved: float  # one micro-batch's saved tensors of the final norm and the loss
+    loss_transient: float  # the loss's largest transient (its backward's fp32 gradients)
+    held: int  # micro-batches whose loss waits for its backward at most (GPipe: all)
+    logits: float  # the logits, alive through the stage's backward
+    logit_grad: float  # one fp32 gradient of them, alive in the head's backward
+    backward_extra: float  # recompute and the last block's working set in a backward
+    temps: float  # a block's backward temporaries
+    embedding_grad: float = 0.0  # the embedding's gradient when larger than its 16-bit copy
+
+
+@dataclass(frozen=True)
+class Moment:
+    """A forward's end ("F") or a backward's start ("B") on one of a pipeline rank's stages."""
+
+    kind: str
+    stage: int
+    in_flight: int  # micro-batches (each through one stage) whose backward has not run
+    losses: int  # ... of them on this stage (the loss waits for the backward of each)
+    accumulating: tuple[int, ...]  # stages between their first and last backward
+    reduced: tuple[int, ...]  # stages past their last backward
+    kept: tuple[int, ...]  # other stages whose units are still gathered by a backward
+    own_kept: bool  # ... and this stage's
+    last: bool  # a backward that is its stage's last
+
+
+@lru_cache(maxsize=4096)
+def rank_moments(pp: int, rank: int, microbatches: int, virtual: int, warmup: int | None = None,
+                 loss_stage: int | None = None) -> tuple[Moment, ...]:
+    """The distinct moments of the rank's order of forwards and backwards (memory.rank_actions, same
+    arguments), counting losses on ``loss_stage`` only. The steady state repeats, so it is walked only as far as its states can differ: two of
+    its forward-backward pairs (one stage), three rounds of micro-batches (interleaved);
+    `tests/test_planner_memory.py` checks that against the whole order."""
+    if virtual == 1:
+        w = microbatches if warmup is None else min(microbatches, warmup)
+        return walk_moments(rank_actions(pp, rank, min(microbatches, w + 2), 1, w), loss_stage)
+    return walk_moments(rank_actions(pp, rank, microbatches, virtual, rounds=3), loss_stage)
+
+
+def walk_moments(order: tuple[tuple[str, int], ...], loss_stage: int | None = None) -> tuple[Moment, ...]:
+    """The moments of ``order``. Of moments that differ only in their counts of micro-batches in flight,
+    those with fewer of both are dropped: they hold less."""
+    n = 1 + max(c for _, c in order)
+    total = [sum(1 for kind, c in order if kind == "B" and c == k) for k in range(n)]
+    forwards, done, kept = [0] * n, [0] * n, [False] * n
+    seen: dict[tuple, list[tuple[int, int]]] = {}
+    for kind, c in order:
+        if kind == "F":
+            forwards[c] += 1
+            kept[c] = False
+        key = (kind, c, tuple(k for k in range(n) if 0 < done[k] < total[k]),
+               tuple(k for k in range(n) if done[k] == total[k]), tuple(k for k in range(n) if kept[k] and k != c),
+               kept[c], kind == "B" and done[c] == total[c] - 1)
+        counts = (sum(forwards) - sum(done), forwards[c] - done[c] if c == loss_stage else 0)
+        front = seen.setdefault(key, [])
+        if not any(a >= counts[0] and b >= counts[1] for a, b in front):
+            front[:] = [(a, b) for a, b in front if a > counts[0] or b > counts[1]] + [counts]
+        if kind == "B":
+            done[c] += 1
+            kept[c] = done[c] < total[c]
+    return tuple(Moment(kind, c, a, b, *rest) for (kind, c, *rest), front in seen.items() for a, b in front)
+
+
+def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], moments: tuple[Moment, ...]
                             ) -> dict[str, Parts]:
-    """(params, grads, optim, activations, buffers) at the two peaks above, as "backward" (its start) and
-    "block gradients" (the stage's backward end). ``acts``: the in-flight micro-batches' saved tensors and
-    stage-boundary tensors; ``last``: what the running backward adds (the loss's remains, recompute,
-    temporaries); ``later``: a forward runs between the first and second backward; ``forward_acts``: what a
-    forward's end holds (the root and the unit just run are gathered then); ``embedding_grad``: the first
-    stage's embedding gradient when it is larger than the last unit's 16-bit one; ``in_backward``: what a
-    backward gathers at a time (a whole block when a split block is recomputed; by default one unit)."""
+    """(params, grads, optim, activations, buffers) at each forward's end ("forward end", and "loss" on the
+    loss's stage), each backward's start ("backward") and end ("block gradients"), the heaviest of each,
+    over the rank's ``moments`` on its ``stages``. A stage accumulates its gradients unsharded from its
+    first backward to its last, which reduces them to a shard; between two of its backwards its units stay
+    gathered unless a forward of it re-sharded them."""
+    best: dict[str, tuple[float, float, float]] = {}  # (params, grads, activations): optim, buffers are constant
     # Under 16-bit compute every unit stays gathered; in fp32 the timeline shows units re-sharded after
     # their backward as well (`small`, PP 2 × FSDP 2 × TP 2 + SP, 8 ranks: the root and one unit at the end).
-    everything = (root + (layers * block if c_bytes == 2 else unit)) * c_bytes
-    transient = max((root if first and root else unit) * c_bytes, embedding_grad)
-    start_acts = acts if later else max(0.0, acts - per_stage)
-    return {
-        "forward end": (params + (root + unit) * c_bytes, grads, optim, forward_acts, buckets),
-        # The first unit's backward: it alone is gathered (the root too), its new gradient waits to be added
-        # to the accumulated one, with the block's backward temporaries (``temps``).
-        "backward": (params + (root + (unit if in_backward is None else in_backward)) * c_bytes,
-                     grads + unit * c_bytes, optim, start_acts + last + temps, buckets),
-        "block gradients": (params + everything, grads + transient, optim, max(0.0, acts - per_stage), buckets),
-    }
+    gathered_all = [(s.root + (s.layers * t.block if t.c_bytes == 2 else t.unit)) * t.c_bytes for s in stages]
+    # Accumulating stages hold their gradients unsharded; finished ones hold their reduced shard.
+    accumulator = [s.params * t.r_bytes for s in stages]
+    shard = [s.params * t.reduced for s in stages]
+
+    def acts_of(in_flight: int) -> float:
+        # Saved and boundary tensors with ``in_flight`` micro-batches (each through one stage).
+        return (in_flight * t.per_stage if t.split_acts is None else t.split_acts) + in_flight * t.boundary
+
+    def note(name: str, params: float, grads: float, acts: float) -> None:
+        if name not in best or params + grads + acts > sum(best[name]):
+            best[name] = (params, grads, acts)
+
+    for m in moments:
+        c, s = m.stage, stages[m.stage]
+        # (map, not a generator: the search evaluates this for every pipelined ZeRO-3 layout)
+        others = sum(map(gathered_all.__getitem__, m.kept))
+        held = sum(map(accumulator.__getitem__, m.accumulating)) + sum(map(shard.__getitem__, m.reduced))
+        losses = min(t.held, m.losses) * t.loss_saved if s.loss else 0.0
+        if m.kind == "F":
+            acts = acts_of(m.in_flight) + losses
+            note("forward end", t.params + others + (s.root + t.unit) * t.c_bytes, held, acts)
+            if s.loss:
+                # Stage 3 re-shards the root once the forward returns, before the loss runs.
+                note("loss", t.params + others, held, acts + t.loss_transient)
+            continue
+        own = gathered_all[c] if m.own_kept else 0.0
+        with_own = held if c in m.accumulating else held + accumulator[c]
+        acts = acts_of(m.in_flight)
+        waiting = losses - t.loss_saved if s.loss else 0.0
+        head_grad = s.root * t.c_bytes if s.loss else 0.0
+        if s.loss:
+            # The loss's backward: its fp32 gradients next to everything accumulated. Then the head's
+            # backward: the head gathered, its 16-bit weight gradient, the logits and one fp32 gradient of
+            # them; then the blocks' backward, where the logits and the head's gradient (not yet added to
+            # its accumulator) are still alive (the dry run's timeline, `small`, vocabulary 8192, PP 2
+            # interleaved × FSDP 2 and GPipe × FSDP 2, mixed precision).
+            note("loss backward", t.params + others + own, held, acts + losses + t.loss_transient)
+            note("head backward", t.params + others + (own or head_grad), held + head_grad,
+                 acts + waiting + t.logits + t.logit_grad)
+        # A backward's start: its first unit gathered (all of them when its last action was a backward),
+        # its new gradient next to the accumulated ones, with the block's backward temporaries.
+        own = own or (s.root + t.in_backward) * t.c_bytes
+        note("backward", t.params + others + own, held + head_grad + t.unit * t.c_bytes,
+             acts + (waiting + t.logits if s.loss else 0.0) + t.backward_extra + t.temps)
+        # Its end: every unit gathered, every gradient accumulated, the last unit's (on the first stage the
+        # embedding's) compute-dtype gradient next to its accumulator, the micro-batch's tensors gone.
+        transient = max((s.root if s.embedding else t.unit) * t.c_bytes, t.embedding_grad if s.embedding else 0.0)
+        note("block gradients", t.params + others + gathered_all[c], with_own + transient,
+             max(0.0, acts - t.per_stage))
+        if m.last:
+            # The stage's last backward reduces its gradients unit by unit: the largest unit's input copy
+            # in the reduce dtype and its reduced shard next to every accumulator, its own units re-sharded
+            # (the dry run's timeline, `small`, PP 2 interleaved × FSDP 2, mixed precision, first stage).
+            largest = max(s.root, t.unit) * t.r_bytes
+            note("stage reduce", t.params + others + gathered_all[c] - s.root * t.c_bytes, with_own,
+                 acts_of(m.in_flight - 1) + largest * (1 + 1 / t.shard))
+    return {name: (p, g, t.optim, a, t.buckets) for name, (p, g, a) in best.items()}
+
+
+def pipe_stages(share: _Share, schedule: str, pp: int, rank: int, micro: int, in_flight: int
+                ) -> tuple[tuple[PipeStage, ...], tuple[Moment, ...]]:
+    """A pipeline rank's stages and the moments of its forwards and backwards. Interleaved 1F1B follows
+    each stage; the other schedules are taken as one stage of all the rank's layers in the 1F1B shape, with
+    the schedule's most micro-batches in flight as its warm-up."""
+    if schedule != "interleaved-1f1b":
+        whole = PipeStage(share.params, share.root_params, share.layers, share.last, share.first)
+        return (whole,), rank_moments(pp, rank, micro * share.stages, 1, in_flight, 0 if share.last else None)
+    v, layers = share.stages, share.layers / share.stages
+    # The embedding is on the rank's first stage, the head on its last (pp ≥ 2: never both on one rank).
+    roots = [share.root_params if (k == 0 and share.first) or (k == v - 1 and share.last) else 0.0 for k in range(v)]
+    stages = tuple(PipeStage(layers * share.block_params + roots[k], roots[k], layers, share.last and k == v - 1,
+                             share.first and k == 0) for k in range(v))
+    return stages, rank_moments(pp, rank, micro, v, None, v - 1 if share.last else None)
 
 
 def boundary_tensors(stages: int, last: bool, in_flight: int) -> float:
