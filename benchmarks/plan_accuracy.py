@@ -87,6 +87,8 @@ LONG_CASES = [
         ("pp 2 zbv, full AC", Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1,
                                      activation_checkpointing="full")),
     ]
+    # Split-backward schedules do not train on mixed precision's FSDP-managed weights (parallel/schedules.py).
+    if precision == "fp32" or "zbv" not in name
 ]
 
 

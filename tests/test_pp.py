@@ -40,8 +40,10 @@ def test_every_schedule_matches_one_process(schedule):
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("data_parallel", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2", "parallel.zero_stage=1"],
-                                           ["parallel.dp_shard=2", "parallel.zero_stage=3"]],
-                         ids=["ddp", "zero1", "zero3"])
+                                           ["parallel.dp_shard=2", "parallel.zero_stage=3"],
+                                           ["parallel.dp_shard=2", "parallel.zero_stage=2", "pipeline.schedule=zbv",
+                                            "pipeline.microbatches=4"]],
+                         ids=["ddp", "zero1", "zero3", "zero2-zbv"])
 def test_pipeline_with_data_parallel(data_parallel):
     ranks = run_ranks(train_job, 4, parity_config(FOUR_LAYERS, "parallel.pp=2", *data_parallel))
     _check_parity(ranks[0])
@@ -85,6 +87,39 @@ def test_pipeline_validation_messages():
         shape(FOUR_LAYERS, "parallel.pp=2", "pipeline.layers_per_stage=3,2")
     plan = shape(FOUR_LAYERS, "parallel.pp=2", "pipeline.layers_per_stage=3,1").stages
     assert plan.layers == ((0, 1, 2), (3,))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-zb", "dualpipev"])
+def test_split_backward_schedules_refuse_the_data_parallelism_that_loses_gradients(schedule):
+    # Their weight-gradient steps run outside the hooks FSDP re-sharding and DDP rely on: measured, the
+    # first stage's gradients were lost (loss 0.28 off the one-process run) or DDP's reducer failed.
+    def shape(*overrides, world=4):
+        return resolve_run(load_config(None, ["model.preset=tiny", FOUR_LAYERS, "parallel.pp=2",
+                                              f"pipeline.schedule={schedule}", *overrides]), world)
+
+    for overrides, world in ((["parallel.dp_shard=2", "parallel.zero_stage=3"], 4),
+                             (["parallel.dp_replicate=2"], 4), (["parallel.mixed_precision=true"], 2)):
+        with pytest.raises(ConfigError, match=rf"pipeline.schedule={schedule} splits each backward.*use "
+                                              r"pipeline.schedule 1f1b or interleaved-1f1b"):
+            shape(*overrides, world=world)
+    assert shape("parallel.dp_shard=2", "parallel.zero_stage=2", "parallel.mixed_precision=true").zero_stage == 2
+    assert shape(world=2).zero_stage == 0
+
+
+def test_search_offers_no_split_backward_schedule_that_loses_gradients():
+    from meshfit.models import get_preset
+    from meshfit.parallel.schedules import SPLIT_BACKWARD
+    from meshfit.planner.hardware import Cluster, get_gpu
+    from meshfit.planner.layout import Workload
+    from meshfit.planner.search import enumerate_layouts
+
+    for precision in ("fp32", "mixed"):
+        layouts = list(enumerate_layouts(get_preset("llama3-8b"), Workload(seq_len=2048, global_batch=16,
+                                                                            precision=precision),
+                                         Cluster(get_gpu("H100-SXM"), 1, 8)))
+        split = [lay for lay in layouts if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD]
+        assert split and all(lay.zero_stage in (1, 2) or (lay.zero_stage == 0 and lay.dp_replicate * lay.cp == 1
+                                                          and precision == "fp32") for lay in split)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])

@@ -167,7 +167,8 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
         raise PlanInputError(f"--seq-len {workload.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; "
                              f"use --seq-len ≤ {model.max_seq_len} (or --dims max_seq_len=…)")
     error = cp_degree_error(layout.cp, workload.seq_len) if layout.cp > 1 else None
-    error = error or layout_error(dp_shard=layout.dp_shard, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage,
+    error = error or layout_error(dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, tp=layout.tp,
+                                  pp=layout.pp, zero_stage=layout.zero_stage,
                                   offload=layout.offload, sp=layout.sp, loss_parallel=layout.loss_parallel,
                                   schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp,
                                   mixed_precision=workload.precision != "fp32", config_names=True)

@@ -6,7 +6,7 @@ answer in either vocabulary: ``layout zero_stage`` for a plan, ``parallel.zero_s
 
 from __future__ import annotations
 
-from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
+from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages, split_backward_error
 
 # Config section of each field the rules name.
 SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel",
@@ -47,7 +47,7 @@ def layout_error(*, config_names: bool, **fields: object) -> str | None:
     """What is wrong with this combination (naming the field and what would work), or None.
 
     ``fields``: dp_shard, tp, pp, zero_stage, offload, sp, loss_parallel, schedule, virtual_stages, and
-    optionally cp and mixed_precision.
+    optionally cp, dp_replicate and mixed_precision.
     """
     error = _first_error(_namer(config_names), **fields)  # type: ignore[arg-type]
     return error if error is None or config_names else f"layout {error}"
@@ -55,7 +55,7 @@ def layout_error(*, config_names: bool, **fields: object) -> str | None:
 
 def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offload: bool, sp: bool,
                  loss_parallel: bool, schedule: str, virtual_stages: int, cp: int = 1,
-                 mixed_precision: bool = False) -> str | None:
+                 mixed_precision: bool = False, dp_replicate: int = 1) -> str | None:
     if zero_stage == 0 and cp > 1 and (tp > 1 or mixed_precision):
         return (f"{name('cp')}={cp} with {name('zero_stage')}=0 replicates the weights on every context-parallel "
                 "rank, which meshfit does with DDP only in fp32 without tensor parallelism; use "
@@ -78,4 +78,10 @@ def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offl
     if pp > 1 and fixed is None and virtual_stages < 2:
         return (f"{name('virtual_stages')}={virtual_stages}: {schedule} needs ≥ 2 stages per rank (use gpipe or "
                 "1f1b for one)")
+    why = split_backward_error(schedule, zero_stage, dp_replicate * cp > 1, mixed_precision) if pp > 1 else None
+    if why:
+        return (f"{name('schedule')}={schedule} splits each backward into input- and weight-gradient steps, which "
+                f"torch runs outside data parallelism's hooks: with {name('zero_stage')}={zero_stage}, {why}; use "
+                f"{name('schedule')} 1f1b or interleaved-1f1b, or {name('zero_stage')} 1 or 2 over {name('dp_shard')} "
+                "> 1 ranks")
     return None

@@ -75,7 +75,8 @@ class Layout:
         if self.activation_checkpointing not in AC_MODES:
             raise ValueError(f"layout activation_checkpointing={self.activation_checkpointing!r}; "
                              f"valid: {', '.join(AC_MODES)}")
-        error = layout_error(dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, zero_stage=self.zero_stage,
+        error = layout_error(dp_shard=self.dp_shard, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp,
+                             zero_stage=self.zero_stage,
                              offload=self.offload, sp=self.sp, loss_parallel=self.loss_parallel,
                              schedule=self.schedule, virtual_stages=self.virtual_stages, cp=self.cp,
                              config_names=False)

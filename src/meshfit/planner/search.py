@@ -15,7 +15,7 @@ from typing import Any
 from meshfit.models.config import ModelConfig, num_params
 from meshfit.planner.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.hardware import CPU, Cluster
-from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages
+from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages, split_backward_error
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.timing import StepTime, step_time
@@ -174,6 +174,8 @@ def _layouts(model: ModelConfig, workload: Workload, dp: int, tp: int, cp: int, 
         for rep, shard, stage in _data_parallel(dp, cp):
             if stage == 0 and cp > 1 and (tp > 1 or workload.precision != "fp32"):
                 continue  # replicas over cp ranks run as DDP only (parallel/rules.py)
+            if split_backward_error(schedule, stage, rep * cp > 1, workload.precision != "fp32"):
+                continue  # (parallel/schedules.py)
             for offload in ((False, True) if stage >= 2 and offloads else (False,)):
                 if shard * cp == 1 and stage == 3 and not offload:
                     continue

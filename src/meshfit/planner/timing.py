@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
-from meshfit.parallel.schedules import v_shaped
+from meshfit.parallel.schedules import SPLIT_BACKWARD, v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.activations import gathered_kv_bytes
 from meshfit.planner.comm_time import collective_s, cp_comm, dp_comm, exposed, tp_comm
@@ -88,7 +88,6 @@ COMPILED_ELEMENTWISE = 0.5
 
 # Bytes per value: compute copies (activations, gathered weights) and kept weights/gradients. meshfit's
 # mixed precision keeps fp32 weights and gradients and reduces gradients in fp32; pure bf16 keeps all in bf16.
-_ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -315,7 +314,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     bubble_s = pp_comm_s = 0.0
     if pp > 1:
         factor = (pp - 1) / (m * virtual)  # gpipe and 1f1b run one stage per rank (virtual = 1)
-        if layout.schedule in _ZERO_BUBBLE:
+        if layout.schedule in SPLIT_BACKWARD:
             factor *= ZERO_BUBBLE_FACTOR
         bubble_s = factor * (compute_s + tp_comm_s)
         # Each micro-batch's activation goes forward and its gradient back across each of the rank's

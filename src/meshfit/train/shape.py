@@ -78,7 +78,8 @@ def _layout(cfg: Config, dims: ParallelDims) -> int:
     """The resolved ZeRO stage, after the layout rules every entry point shares (parallel/rules.py)."""
     par, pipe = cfg.parallel, cfg.pipeline
     stage = par.zero_stage if par.zero_stage is not None else default_zero_stage(dims.dp_shard, dims.cp)
-    error = layout_error(dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, zero_stage=stage, offload=par.offload,
+    error = layout_error(dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate, tp=dims.tp, pp=dims.pp,
+                         zero_stage=stage, offload=par.offload,
                          sp=par.sp, loss_parallel=par.loss_parallel, schedule=pipe.schedule,
                          virtual_stages=pipe.virtual_stages or default_virtual_stages(pipe.schedule),
                          cp=dims.cp, mixed_precision=par.mixed_precision or cfg.train.precision == "bf16",
