@@ -52,6 +52,9 @@ KINDS = {
     # at a long sequence in mixed precision (the logits held through backward, the blocks' temporaries);
     # zbv's split backward.
     "pp-fsdp-tp": (Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True), MIXED),
+    # ... in fp32: the all-gathers' outputs next to the weights at a backward's start, and the embedding's
+    # kept gradient copy.
+    "pp-fsdp-tp-fp32": (Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True), FP32),
     "zero3-ac-long": (Layout(dp_shard=2, zero_stage=3, activation_checkpointing="full", micro_batch=1), LONG),
     "pp-zbv": (Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1), FP32),
     # An interleaved rank's stages accumulate and reduce their gradients at different times (m = p).

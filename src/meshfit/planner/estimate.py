@@ -364,7 +364,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             recompute + working, block_temps,
             # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
             # (measured at ZeRO-3 only: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
-            model.padded_vocab * model.dim * 4 if layout.tp > 1 and stage == 3 else 0.0), stages, moments))
+            model.padded_vocab * model.dim * 4 if layout.tp > 1 and stage == 3 else 0.0,
+            model.padded_vocab * model.dim / layout.tp * 4 if layout.tp > 1 and stage == 3 else 0.0), stages, moments))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.

@@ -148,6 +148,7 @@ class Stage3Terms:
     backward_extra: float  # recompute and the last block's working set in a backward
     temps: float  # a block's backward temporaries
     embedding_grad: float = 0.0  # the embedding's gradient when larger than its 16-bit copy
+    embedding_copy: float = 0.0  # a copy of its local gradient kept between backwards
 
 
 @dataclass(frozen=True)
@@ -254,8 +255,16 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
                  acts + waiting + t.logits + t.logit_grad)
         # A backward's start: its first unit gathered (all of them when its last action was a backward),
         # its new gradient next to the accumulated ones, with the block's backward temporaries.
+        # In fp32 the peak comes as the units are gathered, before their new gradient exists: the
+        # all-gather's output sits next to the unsharded weights it fills. Under TP the first stage keeps a
+        # reduce-dtype copy of its local embedding gradient from its first backward on (the dry run's
+        # timeline: the demo's PP 2 × FSDP 2 × TP 2 + SP in fp32; Llama-3 8B in mixed precision).
+        # (On the loss's stage the head was gathered for its own backward before.)
+        gathering = (t.in_backward + (0.0 if s.loss else s.root)) * t.c_bytes
+        new = gathering if t.c_bytes == 4 and not own else t.unit * t.c_bytes
+        embedding = t.embedding_copy if s.embedding and c in m.accumulating else 0.0
         own = own or (s.root + t.in_backward) * t.c_bytes
-        note("backward", t.params + others + own, held + head_grad + t.unit * t.c_bytes,
+        note("backward", t.params + others + own, held + head_grad + new + embedding,
              acts + (waiting + t.logits if s.loss else 0.0) + t.backward_extra + t.temps)
         # Its end: every unit gathered, every gradient accumulated, the last unit's (on the first stage the
         # embedding's) compute-dtype gradient next to its accumulator, the micro-batch's tensors gone.
