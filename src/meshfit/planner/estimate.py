@@ -349,6 +349,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
         phases["reduce in flight"] = (params + gathered, grads_loss + pending, optim,
                                       block_acts + recompute + working - gone + reducing, buckets)
     if fsdp and layout.pp > 1 and not keep:
+        # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
+        # (measured at ZeRO-3 only: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP).
+        embedding = model.padded_vocab * model.dim * 4 if layout.tp > 1 and stage == 3 else 0.0
         for name in ("loss", "forward end", "backward", "block gradients"):
             del phases[name]
         stages, moments = pipe_stages(share, layout.schedule, layout.pp, rank, micro, in_flight)
@@ -361,11 +364,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             # zbv's split micro-batches are bounded as a whole (stage_acts), not per micro-batch in flight.
             saved if layout.schedule == "zbv" else None,
             head_saved / held, head - head_saved, held, tokens * vocab * c_bytes, tokens * vocab * 4,
-            recompute + working, block_temps,
-            # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
-            # (measured at ZeRO-3 only: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP, mixed precision).
-            model.padded_vocab * model.dim * 4 if layout.tp > 1 and stage == 3 else 0.0,
-            model.padded_vocab * model.dim / layout.tp * 4 if layout.tp > 1 and stage == 3 else 0.0), stages, moments))
+            recompute + working, block_temps, embedding, embedding / layout.tp), stages, moments))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
