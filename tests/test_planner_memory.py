@@ -311,6 +311,21 @@ def test_rank_actions_follow_torch_op_order():
                     assert list(rank_actions(pp, rank, m, v)) == ops, (pp, v, m, rank)
 
 
+def test_rank_moments_walk_only_as_far_as_the_states_differ():
+    # The planner walks a shortened order; its distinct moments must be those of the whole step's order.
+    from meshfit.planner.memory import rank_actions
+    from meshfit.planner.phase_terms import rank_moments, walk_moments
+
+    for pp in (2, 3, 4):
+        for v in (1, 2, 3):
+            for m in [m for m in range(1, 8 * pp + 1) if v == 1 or m % max(1, m // pp) == 0]:
+                for rank in range(pp):
+                    for warmup in ((None, 1, min(m, pp - rank)) if v == 1 else (None,)):
+                        for loss in (None, v - 1):
+                            whole = walk_moments(rank_actions(pp, rank, m, v, warmup), loss)
+                            assert set(rank_moments(pp, rank, m, v, warmup, loss)) == set(whole), (pp, v, m, rank)
+
+
 def test_rank_actions_one_stage_is_the_1f1b_shape():
     from meshfit.planner.memory import rank_actions
 

@@ -177,7 +177,8 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
     error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp, seq)
                       if layout.tp > 1 else None)
     if error:
-        raise PlanInputError(error.replace("parallel.", "--layout ").replace("pipeline.", "--layout ").replace("train.seq_len", "--seq-len"))
+        error = error.replace("parallel.", "--layout ").replace("pipeline.", "--layout ")
+        raise PlanInputError(error.replace("train.seq_len", "--seq-len"))
     dp, batch = layout.dp, workload.global_batch
     if batch % dp:
         raise PlanInputError(f"--global-batch {batch} is not a multiple of the layout's data-parallel degree {dp} "

@@ -82,6 +82,6 @@ def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offl
     if why:
         return (f"{name('schedule')}={schedule} splits each backward into input- and weight-gradient steps, which "
                 f"torch runs outside data parallelism's hooks: with {name('zero_stage')}={zero_stage}, {why}; use "
-                f"{name('schedule')} 1f1b or interleaved-1f1b, or {name('zero_stage')} 1 or 2 over {name('dp_shard')} "
-                "> 1 ranks")
+                f"{name('schedule')} 1f1b or interleaved-1f1b, {name('zero_stage')} 1 or 2 over {name('dp_shard')} "
+                "> 1 ranks, or fp32 without replicas")
     return None

@@ -50,5 +50,5 @@ def split_backward_error(schedule: str, zero_stage: int, replicated: bool, mixed
     if zero_stage == 0 and mixed_precision:
         return "mixed precision computes on FSDP-managed weight copies and the first stage's gradients are lost"
     if zero_stage == 0 and replicated:
-        return "DDP fails inside its reducer"
+        return "replicas of the weights lose gradients (FSDP-managed under TP) or fail in DDP's reducer"
     return None

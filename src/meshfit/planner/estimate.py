@@ -29,8 +29,8 @@ from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
-from meshfit.planner.phase_terms import (RootReduce, Stage3Terms, boundary_tensors, pipe_stages, pipelined_stage3_phases,
-                                         root_reduce_phase, stage_acts)
+from meshfit.planner.phase_terms import (RootReduce, Stage3Terms, boundary_tensors, pipe_stages,
+                                         pipelined_stage3_phases, root_reduce_phase, stage_acts)
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
@@ -356,15 +356,13 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             del phases[name]
         stages, moments = pipe_stages(share, layout.schedule, layout.pp, rank, micro, in_flight)
         phases.update(pipelined_stage3_phases(Stage3Terms(
-            params, optim, buckets, c_bytes, _reduce_bytes(workload, layout, c_bytes), st.grads / n, ds,
+            params, optim, buckets, c_bytes, r_bytes, st.grads / n, ds,
             share.block_params, share.unit_params,
             # A recomputed split block is gathered whole by its re-run forward (see `with_grads` above).
             share.block_params if with_grads is not None else share.unit_params, per_stage,
             boundary * boundary_tensors(share.stages, share.last, 1),
-            # zbv's split micro-batches are bounded as a whole (stage_acts), not per micro-batch in flight.
-            saved if layout.schedule == "zbv" else None,
             head_saved / held, head - head_saved, held, tokens * vocab * c_bytes, tokens * vocab * 4,
-            recompute + working, block_temps, embedding, embedding / layout.tp), stages, moments))
+            recompute + working, block_temps, embedding, embedding / layout.tp / 4 * r_bytes), stages, moments))
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.

@@ -119,7 +119,8 @@ def _technique_section(plan: Plan, usable: float) -> list[str]:
             f"- Pipeline parallelism splits the layers into stages across ranks (and nodes): model states ÷ p "
             f"and only point-to-point traffic between stages, but the first stage holds up to p micro-batches "
             f"of activations and the pipeline idles at its ends (bubble {fmt_duration(pp.time.bubble_s)}/step for "
-            f"{pp.layout.describe()}); more micro-batches, interleaving or zero-bubble schedules shrink it.")
+            f"{pp.layout.describe()}); more micro-batches, interleaving or zero-bubble schedules shrink it "
+            "(zero-bubble ones with ZeRO-1/2, or in fp32 without replicas).")
     return lines
 
 

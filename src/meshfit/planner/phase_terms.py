@@ -139,7 +139,6 @@ class Stage3Terms:
     in_backward: float  # gathered at a time in backward: a unit, or a whole block when a split one is recomputed
     per_stage: float  # saved activations of one micro-batch through one stage
     boundary: float  # stage-boundary tensors per micro-batch in flight (boundary_tensors)
-    split_acts: float | None  # zbv: the saved tensors of its heaviest state (stage_acts), whatever is in flight
     loss_saved: float  # one micro-batch's saved tensors of the final norm and the loss
     loss_transient: float  # the loss's largest transient (its backward's fp32 gradients)
     held: int  # micro-batches whose loss waits for its backward at most (GPipe: all)
@@ -170,9 +169,9 @@ class Moment:
 def rank_moments(pp: int, rank: int, microbatches: int, virtual: int, warmup: int | None = None,
                  loss_stage: int | None = None) -> tuple[Moment, ...]:
     """The distinct moments of the rank's order of forwards and backwards (memory.rank_actions, same
-    arguments), counting losses on ``loss_stage`` only. The steady state repeats, so it is walked only as far as its states can differ: two of
-    its forward-backward pairs (one stage), three rounds of micro-batches (interleaved);
-    `tests/test_planner_memory.py` checks that against the whole order."""
+    arguments), counting losses on ``loss_stage`` only. The steady state repeats, so it is walked only as
+    far as its states can differ: two of its forward-backward pairs (one stage), three rounds of
+    micro-batches (interleaved); `tests/test_planner_memory.py` checks that against the whole order."""
     if virtual == 1:
         w = microbatches if warmup is None else min(microbatches, warmup)
         return walk_moments(rank_actions(pp, rank, min(microbatches, w + 2), 1, w), loss_stage)
@@ -220,7 +219,7 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
 
     def acts_of(in_flight: int) -> float:
         # Saved and boundary tensors with ``in_flight`` micro-batches (each through one stage).
-        return (in_flight * t.per_stage if t.split_acts is None else t.split_acts) + in_flight * t.boundary
+        return in_flight * (t.per_stage + t.boundary)
 
     def note(name: str, params: float, grads: float, acts: float) -> None:
         if name not in best or params + grads + acts > sum(best[name]):
@@ -230,17 +229,17 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
         c, s = m.stage, stages[m.stage]
         # (map, not a generator: the search evaluates this for every pipelined ZeRO-3 layout)
         others = sum(map(gathered_all.__getitem__, m.kept))
-        held = sum(map(accumulator.__getitem__, m.accumulating)) + sum(map(shard.__getitem__, m.reduced))
+        grads = sum(map(accumulator.__getitem__, m.accumulating)) + sum(map(shard.__getitem__, m.reduced))
         losses = min(t.held, m.losses) * t.loss_saved if s.loss else 0.0
         if m.kind == "F":
             acts = acts_of(m.in_flight) + losses
-            note("forward end", t.params + others + (s.root + t.unit) * t.c_bytes, held, acts)
+            note("forward end", t.params + others + (s.root + t.unit) * t.c_bytes, grads, acts)
             if s.loss:
                 # Stage 3 re-shards the root once the forward returns, before the loss runs.
-                note("loss", t.params + others, held, acts + t.loss_transient)
+                note("loss", t.params + others, grads, acts + t.loss_transient)
             continue
         own = gathered_all[c] if m.own_kept else 0.0
-        with_own = held if c in m.accumulating else held + accumulator[c]
+        with_own = grads if c in m.accumulating else grads + accumulator[c]
         acts = acts_of(m.in_flight)
         waiting = losses - t.loss_saved if s.loss else 0.0
         head_grad = s.root * t.c_bytes if s.loss else 0.0
@@ -250,8 +249,8 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
             # them; then the blocks' backward, where the logits and the head's gradient (not yet added to
             # its accumulator) are still alive (the dry run's timeline, `small`, vocabulary 8192, PP 2
             # interleaved × FSDP 2 and GPipe × FSDP 2, mixed precision).
-            note("loss backward", t.params + others + own, held, acts + losses + t.loss_transient)
-            note("head backward", t.params + others + (own or head_grad), held + head_grad,
+            note("loss backward", t.params + others + own, grads, acts + losses + t.loss_transient)
+            note("head backward", t.params + others + (own or head_grad), grads + head_grad,
                  acts + waiting + t.logits + t.logit_grad)
         # A backward's start: its first unit gathered (all of them when its last action was a backward),
         # its new gradient next to the accumulated ones, with the block's backward temporaries.
@@ -264,7 +263,7 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
         new = gathering if t.c_bytes == 4 and not own else t.unit * t.c_bytes
         embedding = t.embedding_copy if s.embedding and c in m.accumulating else 0.0
         own = own or (s.root + t.in_backward) * t.c_bytes
-        note("backward", t.params + others + own, held + head_grad + new + embedding,
+        note("backward", t.params + others + own, grads + head_grad + new + embedding,
              acts + (waiting + t.logits if s.loss else 0.0) + t.backward_extra + t.temps)
         # Its end: every unit gathered, every gradient accumulated, the last unit's (on the first stage the
         # embedding's) compute-dtype gradient next to its accumulator, the micro-batch's tensors gone.
@@ -273,7 +272,7 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
              max(0.0, acts - t.per_stage))
         if m.last:
             # The stage's last backward reduces its gradients unit by unit: the largest unit's input copy
-            # in the reduce dtype and its reduced shard next to every accumulator, its own units re-sharded
+            # in the reduce dtype and its reduced shard next to every accumulator, the root re-sharded
             # (the dry run's timeline, `small`, PP 2 interleaved × FSDP 2, mixed precision, first stage).
             largest = max(s.root, t.unit) * t.r_bytes
             note("stage reduce", t.params + others + gathered_all[c] - s.root * t.c_bytes, with_own,
@@ -284,8 +283,9 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
 def pipe_stages(share: _Share, schedule: str, pp: int, rank: int, micro: int, in_flight: int
                 ) -> tuple[tuple[PipeStage, ...], tuple[Moment, ...]]:
     """A pipeline rank's stages and the moments of its forwards and backwards. Interleaved 1F1B follows
-    each stage; the other schedules are taken as one stage of all the rank's layers in the 1F1B shape, with
-    the schedule's most micro-batches in flight as its warm-up."""
+    each stage; GPipe and 1F1B are one stage in the 1F1B shape, with the schedule's most micro-batches in
+    flight as its warm-up (the split-backward schedules do not train with ZeRO-3: parallel/schedules.py;
+    called for them anyway, they are taken the same way, all their stages as one)."""
     if schedule != "interleaved-1f1b":
         whole = PipeStage(share.params, share.root_params, share.layers, share.last, share.first)
         return (whole,), rank_moments(pp, rank, micro * share.stages, 1, in_flight, 0 if share.last else None)

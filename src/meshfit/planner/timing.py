@@ -86,9 +86,6 @@ HBM_EFFICIENCY = 0.8
 # of the `small` model is in README (benchmarks/compile_speed.py).
 COMPILED_ELEMENTWISE = 0.5
 
-# Bytes per value: compute copies (activations, gathered weights) and kept weights/gradients. meshfit's
-# mixed precision keeps fp32 weights and gradients and reduces gradients in fp32; pure bf16 keeps all in bf16.
-
 
 @dataclass(frozen=True)
 class StepTime:
