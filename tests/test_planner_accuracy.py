@@ -57,6 +57,10 @@ KINDS = {
     "pp-fsdp-tp-fp32": (Layout(pp=2, dp_shard=2, tp=2, zero_stage=3, sp=True, loss_parallel=True), FP32),
     "zero3-ac-long": (Layout(dp_shard=2, zero_stage=3, activation_checkpointing="full", micro_batch=1), LONG),
     "pp-zbv": (Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1), FP32),
+    # zbv's weight-gradient step under full recompute, where the peak is (`small` at seq 2048).
+    "pp-zbv-ac-long": (Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1, activation_checkpointing="full"),
+                       Workload(seq_len=2048, global_batch=2, precision="fp32"),
+                       dataclasses.replace(get_preset("small"), max_seq_len=2048)),
     # An interleaved rank's stages accumulate and reduce their gradients at different times (m = p).
     "pp-interleaved-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
                                    micro_batch=1), MIXED_4),

@@ -17,21 +17,19 @@ adds it when it compares the total with a device (see :func:`usable_bytes`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from dataclasses import dataclass, field
 
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
-from meshfit.planner.activations import block_weight_params, head_bytes, layout_activations
-from meshfit.parallel.kinds import (DEFAULT_MAX_UNIT_PARAMS, data_parallel_kind, reduces_in_background,
-                                    stashes_gradients)
-from meshfit.parallel.schedules import v_shaped
-from meshfit.parallel.split import balanced_split, head_flops, layer_flops
+from meshfit.planner.activations import head_bytes, layout_activations
+from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background, stashes_gradients
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
 from meshfit.planner.phase_terms import (RootReduce, Stage3Terms, boundary_tensors, pipe_stages,
-                                         pipelined_stage3_phases, root_reduce_phase, stage_acts)
+                                         pipelined_stage3_phases, root_reduce_phase, stage_acts,
+                                         weight_step_acts)
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
+from meshfit.planner.shares import Share, layout_shares
 
 COMPONENTS = ("params", "grads", "optim", "activations", "buffers")
 # Temporaries of a block's backward, in h-wide values per token (compute dtype), measured with the dry
@@ -77,63 +75,6 @@ class MemoryEstimate:
         return out
 
 
-@dataclass(frozen=True)
-class _Share:
-    """One pipeline rank's slice of the model (after tensor parallelism, before data-parallel sharding)."""
-
-    params: float  # every parameter this rank holds
-    block_params: float  # one transformer block's parameters
-    unit_params: float  # the largest FSDP unit of a block (the block, or a part of it: parallel/units.py)
-    root_params: float  # embeddings, final norm and head (the root FSDP unit)
-    layers: int  # transformer blocks on this rank
-    stages: int  # stages on this rank (virtual pipeline stages)
-    first: bool  # holds the embedding
-    last: bool  # holds the final norm, the head and the loss
-
-
-def _block_params(model: ModelConfig, tp: int) -> float:
-    norms = 2 * model.dim if model.family == "llama" else 4 * model.dim
-    biases = 0 if model.family == "llama" else (3 * model.dim + model.ffn_hidden) / tp + 2 * model.dim
-    return block_weight_params(model) / tp + norms + biases
-
-
-@lru_cache(maxsize=256)
-def _largest_unit(model: ModelConfig, max_unit_params: int) -> int | None:
-    """The largest FSDP unit of one of `model`'s blocks, in parameters before tensor parallelism, from a
-    block built on the meta device and split by the trainer's own rule; None when blocks are not split."""
-    if _block_params(model, 1) <= max_unit_params:
-        return None
-    # A one-block model on meta: no memory, no initialization (torch is imported only when a block is split).
-    from meshfit.models import build_model
-    from meshfit.parallel.units import sub_units, unit_sizes
-
-    block = build_model(replace(model, n_layers=1), "meta").layers["0"]
-    return max(unit_sizes(block, max_unit_params)) if sub_units(block, max_unit_params) else None
-
-
-@lru_cache(maxsize=4096)
-def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shape: bool,
-            max_unit_params: int = DEFAULT_MAX_UNIT_PARAMS) -> tuple[_Share, ...]:
-    n_stages = pp * virtual
-    counts = balanced_split(model.n_layers, n_stages, layer_flops(model, seq), head_flops(model)) \
-        if n_stages > 1 else [model.n_layers]
-    embed = model.padded_vocab * model.dim / tp + (model.max_seq_len * model.dim if model.family == "gpt" else 0)
-    head = 0 if (model.tie_embeddings and n_stages == 1) else model.padded_vocab * model.dim / tp
-    final_norm = model.dim if model.family == "llama" else 2 * model.dim
-    block = _block_params(model, tp)
-    # A split block's units are projections or attention: tensor parallelism divides them.
-    largest = _largest_unit(model, max_unit_params)
-    unit = block if largest is None else min(block, largest / tp)
-    shares = []
-    for rank in range(pp):
-        ids = [rank, 2 * pp - 1 - rank] if v_shape else [rank + k * pp for k in range(virtual)]
-        layers = sum(counts[i] for i in ids)
-        first, last = 0 in ids, n_stages - 1 in ids
-        root = (embed if first else 0) + ((head + final_norm) if last else 0)
-        shares.append(_Share(layers * block + root, block, unit, root, layers, len(ids), first, last))
-    return tuple(shares)
-
-
 def _kind(layout: Layout, workload: Workload) -> str:
     # Context-parallel ranks hold the same weights: they join the data-parallel replicas or shards.
     return data_parallel_kind(layout.zero_stage, layout.dp * layout.cp, layout.tp, workload.precision != "fp32")
@@ -175,7 +116,7 @@ def _states(layout: Layout, workload: Workload, n: float) -> _States:
     return _States(n * w_bytes / share, grads, n * o_bytes / share, grads if ddp else 0.0)
 
 
-def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int,
+def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share: Share, rank: int,
                    backend: str = "nccl") -> MemoryEstimate:
     phases = _phases(model, layout, workload, share, rank, backend)
     totals = {name: sum(parts) for name, parts in phases.items()}
@@ -184,7 +125,7 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank, rest=(st.params, st.at_rest_grads, st.optim))
 
 
-def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Share, rank: int,
+def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share, rank: int,
             backend: str = "nccl") -> dict[str, tuple[float, float, float, float, float]]:
     """(params, grads, optim, activations, buffers) of one rank at each phase of a steady step."""
     mode = _mode(workload)
@@ -363,6 +304,12 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: _Shar
             boundary * boundary_tensors(share.stages, share.last, 1),
             head_saved / held, head - head_saved, held, tokens * vocab * c_bytes, tokens * vocab * 4,
             recompute + working, block_temps, embedding, embedding / layout.tp / 4 * r_bytes), stages, moments))
+    step = weight_step_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro,
+                            act_mb / share.stages) if layout.pp > 1 else 0.0
+    if step:
+        # zbv's weight-gradient step under recompute (phase_terms.WEIGHT_STEP).
+        phases["weight step"] = (params + (gathered_loss if keep else 0.0), grads_loss, optim,
+                                 step + boundary * boundary_tensors(share.stages, share.last, in_flight), buckets)
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
         # accumulation the old buckets (kept by the gradients' views) and the new ones coexist there.
@@ -391,15 +338,9 @@ def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, back
     """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases);
     ``backend`` "gloo" for CPU ranks (reduce-scatters through received chunks, some in the background)."""
     model = pad_vocab_for_tp(model, layout.tp)  # as training builds it
-    shares = _layout_shares(model, layout, workload)
+    shares = layout_shares(model, layout, workload)
     # In-flight micro-batches fall with the pipeline rank, so the most-loaded rank is the first, the last
     # (head, logits) or the one with the most blocks; the others need not be evaluated.
     ranks = {0, len(shares) - 1, max(range(len(shares)), key=lambda r: shares[r].layers)}
     estimates = [_rank_estimate(model, layout, workload, shares[rank], rank, backend) for rank in sorted(ranks)]
     return max(estimates, key=lambda e: e.total)
-
-
-def _layout_shares(model: ModelConfig, layout: Layout, workload: Workload) -> tuple[_Share, ...]:
-    v_shape = v_shaped(layout.schedule) and layout.pp > 1
-    virtual = layout.virtual_stages if layout.pp > 1 else 1
-    return _shares(model, workload.seq_len, layout.tp, layout.pp, virtual, v_shape, layout.max_unit_params)

@@ -37,7 +37,7 @@ from meshfit.planner.memory import rank_actions, split_backward_states
 
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
-    from meshfit.planner.estimate import _Share
+    from meshfit.planner.shares import Share
     from meshfit.planner.layout import Layout, Workload
 
 Parts = tuple[float, float, float, float, float]
@@ -49,6 +49,16 @@ Parts = tuple[float, float, float, float, float]
 # full recompute, 4 blocks per stage, is the check (docs/planner.md).
 SPLIT_WEIGHT = 1.9
 RECOMPUTED_EXTRA = 0.65
+# Under recompute the weight-gradient step itself peaks far above that (the dry run's timeline; a real
+# 2-rank run measures the same): WEIGHT_STEP blocks' full activations (a fixed part and a part per block of
+# the stage), next to the other split micro-batches, each then holding SPLIT_RECOMPUTED of its blocks' full
+# activations (about the inputs of its linear layers and the gradients of their outputs). WEIGHT_STEP fitted
+# on `small`, PP 2 zbv, fp32, seq 2048, full recompute, 2 micro-batches (one split micro-batch at a time),
+# with 1 and 2 blocks per stage; checked at 4 micro-batches (rank 1 holds three split at once), on ZeRO-1 2,
+# at seq 1024 and vocabulary 8192; Llama-3 8B peaks the same way but plans higher from the states above
+# (docs/planner.md).
+WEIGHT_STEP = (1.8, 6.1)
+SPLIT_RECOMPUTED = 0.65
 
 
 def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
@@ -65,6 +75,20 @@ def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str
     extra = RECOMPUTED_EXTRA * block if layout.activation_checkpointing != "none" else 0.0
     split = block * stage_layers * SPLIT_WEIGHT + extra
     return max(k * per_stage + j * split for k, j in split_backward_states(layout.pp, rank, micro))
+
+
+def weight_step_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
+                     rank: int, micro: int, per_stage: float) -> float:
+    """Under zbv with recompute: the saved activations at the heaviest weight-gradient step (0 otherwise),
+    WEIGHT_STEP × the stage's blocks' full activations next to the other micro-batches in flight."""
+    if layout.schedule != "zbv" or layout.activation_checkpointing == "none":
+        return 0.0
+    plain = replace(layout, activation_checkpointing="none")
+    block = layout_activations(model, plain, workload, 1, mode)[0]
+    step = (WEIGHT_STEP[0] + WEIGHT_STEP[1] * stage_layers) * block
+    states = split_backward_states(layout.pp, rank, micro)
+    return max((k * per_stage + (j - 1) * SPLIT_RECOMPUTED * block * stage_layers + step
+                for k, j in states if j >= 1), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -280,7 +304,7 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
     return {name: (p, g, t.optim, a, t.buckets) for name, (p, g, a) in best.items()}
 
 
-def pipe_stages(share: _Share, schedule: str, pp: int, rank: int, micro: int, in_flight: int
+def pipe_stages(share: Share, schedule: str, pp: int, rank: int, micro: int, in_flight: int
                 ) -> tuple[tuple[PipeStage, ...], tuple[Moment, ...]]:
     """A pipeline rank's stages and the moments of its forwards and backwards. Interleaved 1F1B follows
     each stage; GPipe and 1F1B are one stage in the 1F1B shape, with the schedule's most micro-batches in
