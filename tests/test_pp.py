@@ -104,6 +104,14 @@ def test_split_backward_schedules_refuse_the_data_parallelism_that_loses_gradien
             shape(*overrides, world=world)
     assert shape("parallel.dp_shard=2", "parallel.zero_stage=2", "parallel.mixed_precision=true").zero_stage == 2
     assert shape(world=2).zero_stage == 0
+    # torch's op-level selective checkpointing fails at the weight-gradient step (a second backward through
+    # the block), measured with the dry run of each schedule; whole-block recompute and the attention policy
+    # run.
+    with pytest.raises(ConfigError, match=rf"schedule={schedule} splits each backward.*op-level recompute.*use "
+                                          r"parallel.activation_checkpointing full, selective or attention"):
+        shape("parallel.activation_checkpointing=op", world=2)
+    for policy in ("full", "selective", "attention"):
+        assert shape(f"parallel.activation_checkpointing={policy}", world=2).zero_stage == 0
 
 
 def test_search_offers_no_split_backward_schedule_that_loses_gradients():
@@ -120,6 +128,8 @@ def test_search_offers_no_split_backward_schedule_that_loses_gradients():
         split = [lay for lay in layouts if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD]
         assert split and all(lay.zero_stage in (1, 2) or (lay.zero_stage == 0 and lay.dp_replicate * lay.cp == 1
                                                           and precision == "fp32") for lay in split)
+        assert not any(lay.activation_checkpointing == "op" for lay in split)
+        assert {"full", "selective"} <= {lay.activation_checkpointing for lay in split}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])

@@ -171,7 +171,8 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
                                   pp=layout.pp, zero_stage=layout.zero_stage,
                                   offload=layout.offload, sp=layout.sp, loss_parallel=layout.loss_parallel,
                                   schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp,
-                                  mixed_precision=workload.precision != "fp32", config_names=True)
+                                  mixed_precision=workload.precision != "fp32",
+                                  activation_checkpointing=layout.activation_checkpointing, config_names=True)
     seq = "train.seq_len" if layout.cp == 1 else "train.seq_len/cp"
     # Under context parallelism sequence parallelism splits each rank's part of the sequence.
     error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp, seq)

@@ -12,7 +12,7 @@ from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages, split_ba
 SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel",
            "zero_stage": "parallel",
            "offload": "parallel", "sp": "parallel", "loss_parallel": "parallel", "schedule": "pipeline",
-           "virtual_stages": "pipeline", "mixed_precision": "parallel"}
+           "virtual_stages": "pipeline", "mixed_precision": "parallel", "activation_checkpointing": "parallel"}
 
 
 def default_zero_stage(dp_shard: int, cp: int = 1) -> int:
@@ -47,7 +47,7 @@ def layout_error(*, config_names: bool, **fields: object) -> str | None:
     """What is wrong with this combination (naming the field and what would work), or None.
 
     ``fields``: dp_shard, tp, pp, zero_stage, offload, sp, loss_parallel, schedule, virtual_stages, and
-    optionally cp, dp_replicate and mixed_precision.
+    optionally cp, dp_replicate, mixed_precision and activation_checkpointing.
     """
     error = _first_error(_namer(config_names), **fields)  # type: ignore[arg-type]
     return error if error is None or config_names else f"layout {error}"
@@ -55,7 +55,8 @@ def layout_error(*, config_names: bool, **fields: object) -> str | None:
 
 def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offload: bool, sp: bool,
                  loss_parallel: bool, schedule: str, virtual_stages: int, cp: int = 1,
-                 mixed_precision: bool = False, dp_replicate: int = 1) -> str | None:
+                 mixed_precision: bool = False, dp_replicate: int = 1,
+                 activation_checkpointing: str = "none") -> str | None:
     if zero_stage == 0 and cp > 1 and (tp > 1 or mixed_precision):
         return (f"{name('cp')}={cp} with {name('zero_stage')}=0 replicates the weights on every context-parallel "
                 "rank, which meshfit does with DDP only in fp32 without tensor parallelism; use "
@@ -78,7 +79,12 @@ def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offl
     if pp > 1 and fixed is None and virtual_stages < 2:
         return (f"{name('virtual_stages')}={virtual_stages}: {schedule} needs ≥ 2 stages per rank (use gpipe or "
                 "1f1b for one)")
-    why = split_backward_error(schedule, zero_stage, dp_replicate * cp > 1, mixed_precision) if pp > 1 else None
+    why = (split_backward_error(schedule, zero_stage, dp_replicate * cp > 1, mixed_precision,
+                                activation_checkpointing) if pp > 1 else None)
+    if why and activation_checkpointing == "op" and why.startswith("op-level"):
+        return (f"{name('schedule')}={schedule} splits each backward into input- and weight-gradient steps: {why}; "
+                f"use {name('activation_checkpointing')} full, selective or attention, or {name('schedule')} "
+                "1f1b or interleaved-1f1b")
     if why:
         return (f"{name('schedule')}={schedule} splits each backward into input- and weight-gradient steps, which "
                 f"torch runs outside data parallelism's hooks: with {name('zero_stage')}={zero_stage}, {why}; use "

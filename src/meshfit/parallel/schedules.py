@@ -33,18 +33,23 @@ def v_shaped(schedule: str) -> bool:
 SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 
 
-def split_backward_error(schedule: str, zero_stage: int, replicated: bool, mixed_precision: bool) -> str | None:
+def split_backward_error(schedule: str, zero_stage: int, replicated: bool, mixed_precision: bool,
+                         recompute: str = "none") -> str | None:
     """Why a split-backward schedule cannot train with this data parallelism (``replicated``: replicas of
-    the weights over dp_replicate or context-parallel ranks), or None.
+    the weights over dp_replicate or context-parallel ranks) or recompute policy, or None.
 
     torch's pipelining computes the weight gradients of a split backward with ``torch.autograd.grad`` on
     the stage's parameters, outside the hooks data parallelism relies on: under FSDP-managed weights that
     are re-sharded after the forward (ZeRO-3, and meshfit's mixed-precision replicas at zero_stage 0) the
     first stage's gradients are lost (measured: `small`, PP 2, loss 0.28 off the one-process run after 10
     steps), and DDP fails inside its reducer (torch issue 144530). ZeRO-1 and 2 keep their weights gathered
-    from forward to backward and match."""
+    from forward to backward and match. torch's op-level selective checkpointing allows one backward
+    through each region, and the weight-gradient step is a second one (it fails at the first step)."""
     if schedule not in SPLIT_BACKWARD:
         return None
+    if recompute == "op":
+        return ("op-level recompute allows one backward through each block and the weight-gradient step is a "
+                "second one")
     if zero_stage == 3:
         return "FSDP re-shards the weights after the forward and the first stage's gradients are lost"
     if zero_stage == 0 and mixed_precision:

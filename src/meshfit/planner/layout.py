@@ -79,7 +79,7 @@ class Layout:
                              zero_stage=self.zero_stage,
                              offload=self.offload, sp=self.sp, loss_parallel=self.loss_parallel,
                              schedule=self.schedule, virtual_stages=self.virtual_stages, cp=self.cp,
-                             config_names=False)
+                             activation_checkpointing=self.activation_checkpointing, config_names=False)
         if error:
             raise ValueError(error)
 

@@ -42,53 +42,54 @@ if TYPE_CHECKING:
 
 Parts = tuple[float, float, float, float, float]
 # A zbv micro-batch between its input- and weight-gradient steps, in full (un-recomputed) activations of
-# its blocks: its saved tensors and the gradients of its weights' outputs (≈ 0.9 more); recomputed, one
-# block's worth more (RECOMPUTED_EXTRA). Fitted on dry runs of `small`: PP 2 zbv, fp32, without recompute
-# (dim 256, seq 256: +0.1%; seq 2048: +1.7%) and with full recompute, one block per stage (dim 256, seq 256,
-# and seq 2048 with 4 micro-batches: 2.55 and 2.56 blocks each); Llama-3 8B, PP 4 zbv × ZeRO-1 2, seq 4096,
-# full recompute, 4 blocks per stage, is the check (docs/planner.md).
+# its blocks. Without recompute it keeps its saved tensors and the gradients of its weights' outputs
+# (SPLIT_WEIGHT, ≈ 0.9 more; fitted on dry runs of `small`, PP 2 zbv, fp32, dim 256: seq 256 +0.1%, seq
+# 2048 +1.7%). Recomputed, what the input-gradient step re-ran and did not consume stays (SPLIT_RECOMPUTED:
+# `small`, seq 2048, 1/2/4 blocks per stage, 0.77–0.81 in fp32 and under mixed precision; Llama-3 8B, 5
+# blocks per stage, mixed, 0.77).
 SPLIT_WEIGHT = 1.9
-RECOMPUTED_EXTRA = 0.65
-# Under recompute the weight-gradient step itself peaks far above that (the dry run's timeline; a real
-# 2-rank run measures the same): WEIGHT_STEP blocks' full activations (a fixed part and a part per block of
-# the stage), next to the other split micro-batches, each then holding SPLIT_RECOMPUTED of its blocks' full
-# activations (about the inputs of its linear layers and the gradients of their outputs). WEIGHT_STEP fitted
-# on `small`, PP 2 zbv, fp32, seq 2048, full recompute, 2 micro-batches (one split micro-batch at a time),
-# with 1 and 2 blocks per stage; checked at 4 micro-batches (rank 1 holds three split at once), on ZeRO-1 2,
-# at seq 1024 and vocabulary 8192; Llama-3 8B peaks the same way but plans higher from the states above
-# (docs/planner.md).
-WEIGHT_STEP = (1.8, 6.1)
-SPLIT_RECOMPUTED = 0.65
+SPLIT_RECOMPUTED = 0.78
+# Under recompute the weight-gradient step itself re-runs the stage's blocks again, about once per weight,
+# and holds what it re-ran to the step's end: WEIGHT_STEP = (fixed, per block of the stage) blocks' full
+# activations above the split micro-batch it finishes. Fitted on the dry run's timeline of `small`, PP 2
+# zbv, seq 2048, full recompute, 1/2/4 blocks per stage: fp32 (middle stages) 1.35 + 5.5 per block; mixed
+# precision under ZeRO-1 2 (the loss stage) 1.4 + 6.9. Llama-3 8B, PP 4 zbv × ZeRO-1 2, seq 4096, 5 blocks
+# per stage, measured 35.4 blocks where this plans 35.9. Keyed by compute mode: 16-bit compute counts as
+# mixed precision does (bf16 storage unmeasured).
+WEIGHT_STEP = {"fp32": (1.35, 5.5), "bf16": (1.4, 6.9)}
+
+
+def _split_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str) -> float:
+    """One block's full activations (the unit the split-backward constants count in)."""
+    plain = replace(layout, activation_checkpointing="none")
+    return layout_activations(model, plain, workload, 1, mode)[0]
 
 
 def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
                rank: int, micro: int, per_stage: float, in_flight: int) -> float:
     """Saved activations of a pipeline rank's micro-batches in flight, each through one of its stages
     (``stage_layers`` blocks, ``per_stage`` bytes under the layout's recompute). Under zbv a micro-batch
-    between its input- and weight-gradient steps keeps its whole autograd graph (recomputed tensors
-    included) and the gradients of the weights' outputs: SPLIT_WEIGHT × its blocks' full activations, and
-    with recompute RECOMPUTED_EXTRA × one block's."""
+    between its input- and weight-gradient steps keeps part of its autograd graph: SPLIT_WEIGHT of its
+    blocks' full activations, or SPLIT_RECOMPUTED when recomputed."""
     if layout.schedule != "zbv":
         return in_flight * per_stage
-    plain = replace(layout, activation_checkpointing="none")
-    block = layout_activations(model, plain, workload, 1, mode)[0]
-    extra = RECOMPUTED_EXTRA * block if layout.activation_checkpointing != "none" else 0.0
-    split = block * stage_layers * SPLIT_WEIGHT + extra
+    kept = SPLIT_WEIGHT if layout.activation_checkpointing == "none" else SPLIT_RECOMPUTED
+    split = _split_acts(model, layout, workload, mode) * stage_layers * kept
     return max(k * per_stage + j * split for k, j in split_backward_states(layout.pp, rank, micro))
 
 
 def weight_step_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
                      rank: int, micro: int, per_stage: float) -> float:
     """Under zbv with recompute: the saved activations at the heaviest weight-gradient step (0 otherwise),
-    WEIGHT_STEP × the stage's blocks' full activations next to the other micro-batches in flight."""
+    WEIGHT_STEP's blocks above the split micro-batches and those waiting for their backward."""
     if layout.schedule != "zbv" or layout.activation_checkpointing == "none":
         return 0.0
-    plain = replace(layout, activation_checkpointing="none")
-    block = layout_activations(model, plain, workload, 1, mode)[0]
-    step = (WEIGHT_STEP[0] + WEIGHT_STEP[1] * stage_layers) * block
+    block = _split_acts(model, layout, workload, mode)
+    fixed, per_block = WEIGHT_STEP[mode]
+    step = (fixed + per_block * stage_layers) * block
+    split = SPLIT_RECOMPUTED * block * stage_layers
     states = split_backward_states(layout.pp, rank, micro)
-    return max((k * per_stage + (j - 1) * SPLIT_RECOMPUTED * block * stage_layers + step
-                for k, j in states if j >= 1), default=0.0)
+    return max((k * per_stage + j * split + step for k, j in states if j >= 1), default=0.0)
 
 
 @dataclass(frozen=True)

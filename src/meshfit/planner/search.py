@@ -180,6 +180,8 @@ def _layouts(model: ModelConfig, workload: Workload, dp: int, tp: int, cp: int, 
                 if shard * cp == 1 and stage == 3 and not offload:
                     continue
                 for ac in acs:
+                    if split_backward_error(schedule, stage, rep * cp > 1, workload.precision != "fp32", ac):
+                        continue
                     for sp in sps:
                         yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=stage,
                                      offload=offload, activation_checkpointing=ac, sp=sp, loss_parallel=sp,

@@ -83,7 +83,7 @@ def _layout(cfg: Config, dims: ParallelDims) -> int:
                          sp=par.sp, loss_parallel=par.loss_parallel, schedule=pipe.schedule,
                          virtual_stages=pipe.virtual_stages or default_virtual_stages(pipe.schedule),
                          cp=dims.cp, mixed_precision=par.mixed_precision or cfg.train.precision == "bf16",
-                         config_names=True)
+                         activation_checkpointing=par.activation_checkpointing, config_names=True)
     if error:
         raise ConfigError(error)
     return stage
