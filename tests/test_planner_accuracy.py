@@ -61,6 +61,12 @@ KINDS = {
     "pp-zbv-ac-long": (Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1, activation_checkpointing="full"),
                        Workload(seq_len=2048, global_batch=2, precision="fp32"),
                        dataclasses.replace(get_preset("small"), max_seq_len=2048)),
+    # ... with every other block recomputed (two blocks per stage), 4 micro-batches: kept and recomputed
+    # blocks of split micro-batches side by side.
+    "pp-zbv-selective-long": (Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1,
+                                     activation_checkpointing="selective"),
+                              Workload(seq_len=2048, global_batch=4, precision="fp32"),
+                              dataclasses.replace(get_preset("small"), max_seq_len=2048, n_layers=8)),
     # An interleaved rank's stages accumulate and reduce their gradients at different times (m = p).
     "pp-interleaved-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
                                    micro_batch=1), MIXED_4),

@@ -41,53 +41,64 @@ if TYPE_CHECKING:
     from meshfit.planner.layout import Layout, Workload
 
 Parts = tuple[float, float, float, float, float]
-# A zbv micro-batch between its input- and weight-gradient steps, in full (un-recomputed) activations of
-# its blocks. Without recompute it keeps its saved tensors and the gradients of its weights' outputs
-# (SPLIT_WEIGHT, ≈ 0.9 more; fitted on dry runs of `small`, PP 2 zbv, fp32, dim 256: seq 256 +0.1%, seq
-# 2048 +1.7%). Recomputed, what the input-gradient step re-ran and did not consume stays (SPLIT_RECOMPUTED:
-# `small`, seq 2048, 1/2/4 blocks per stage, 0.77–0.81 in fp32 and under mixed precision; Llama-3 8B, 5
-# blocks per stage, mixed, 0.77).
-SPLIT_WEIGHT = 1.9
-SPLIT_RECOMPUTED = 0.78
-# Under recompute the weight-gradient step itself re-runs the stage's blocks again, about once per weight,
-# and holds what it re-ran to the step's end: WEIGHT_STEP = (fixed, per block of the stage) blocks' full
-# activations above the split micro-batch it finishes. Fitted on the dry run's timeline of `small`, PP 2
-# zbv, seq 2048, full recompute, 1/2/4 blocks per stage: fp32 (middle stages) 1.35 + 5.5 per block; mixed
-# precision under ZeRO-1 2 (the loss stage) 1.4 + 6.9. Llama-3 8B, PP 4 zbv × ZeRO-1 2, seq 4096, 5 blocks
-# per stage, measured 35.4 blocks where this plans 35.9. Keyed by compute mode: 16-bit compute counts as
-# mixed precision does (bf16 storage unmeasured).
+# zbv's split backward, in one block's full (un-recomputed) activations, from the dry run's timeline of
+# `small` (dim 256), PP 2 zbv, seq 2048, 1/2/4 blocks per stage, 2–8 micro-batches. Between its input- and
+# weight-gradient steps a micro-batch keeps SPLIT_HELD = (fixed, per block kept whole, per recomputed
+# block), by compute mode: a kept block its saved tensors and its weights' output gradients (fp32 1.64,
+# 1.72–1.75 with one block per stage; mixed precision under ZeRO-1 2: 1.84), a recomputed one what the
+# input-gradient step re-ran and did not consume (0.70–0.81 in fp32 and under mixed precision; Llama-3 8B,
+# 5 blocks per stage, mixed: 0.77).
+SPLIT_HELD = {"fp32": (0.08, 1.64, 0.75), "bf16": (0.08, 1.84, 0.75)}
+# Under recompute the weight-gradient step re-runs the recomputed blocks again, about once per weight, and
+# holds what it re-ran to the step's end: WEIGHT_STEP = (fixed, per recomputed block) above the micro-batch's
+# held state, of which its blocks kept whole have freed WEIGHT_STEP_FREED each by then. fp32 (middle stages):
+# 1.35 + 5.5 per block, 0.9 freed (selective recompute: 1 of 2 and 2 of 4 blocks recomputed); mixed precision
+# under ZeRO-1 2 (the loss stage, full recompute): 1.4 + 6.9. Llama-3 8B, PP 4 zbv × ZeRO-1 2, seq 4096, 5
+# blocks per stage, measured 35.4 blocks where this plans 35.9. Keyed by compute mode: 16-bit compute counts
+# as mixed precision does (bf16 storage unmeasured).
 WEIGHT_STEP = {"fp32": (1.35, 5.5), "bf16": (1.4, 6.9)}
+WEIGHT_STEP_FREED = 0.9
 
 
-def _split_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str) -> float:
+def _recomputed_blocks(layout: Layout, stage_layers: float) -> float:
+    """Blocks of a stage that re-run their forward whole in backward (on average over the rank's stages)."""
+    return {"full": stage_layers, "selective": stage_layers / 2}.get(layout.activation_checkpointing, 0.0)
+
+
+def _block_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str) -> float:
     """One block's full activations (the unit the split-backward constants count in)."""
     plain = replace(layout, activation_checkpointing="none")
     return layout_activations(model, plain, workload, 1, mode)[0]
+
+
+def _split_held(layout: Layout, stage_layers: float, block: float, mode: str) -> float:
+    recomputed = _recomputed_blocks(layout, stage_layers)
+    fixed, kept, rerun = SPLIT_HELD[mode]
+    return (fixed + kept * (stage_layers - recomputed) + rerun * recomputed) * block
 
 
 def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
                rank: int, micro: int, per_stage: float, in_flight: int) -> float:
     """Saved activations of a pipeline rank's micro-batches in flight, each through one of its stages
     (``stage_layers`` blocks, ``per_stage`` bytes under the layout's recompute). Under zbv a micro-batch
-    between its input- and weight-gradient steps keeps part of its autograd graph: SPLIT_WEIGHT of its
-    blocks' full activations, or SPLIT_RECOMPUTED when recomputed."""
+    between its input- and weight-gradient steps keeps part of its autograd graph (SPLIT_HELD)."""
     if layout.schedule != "zbv":
         return in_flight * per_stage
-    kept = SPLIT_WEIGHT if layout.activation_checkpointing == "none" else SPLIT_RECOMPUTED
-    split = _split_acts(model, layout, workload, mode) * stage_layers * kept
+    split = _split_held(layout, stage_layers, _block_acts(model, layout, workload, mode), mode)
     return max(k * per_stage + j * split for k, j in split_backward_states(layout.pp, rank, micro))
 
 
 def weight_step_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
                      rank: int, micro: int, per_stage: float) -> float:
-    """Under zbv with recompute: the saved activations at the heaviest weight-gradient step (0 otherwise),
-    WEIGHT_STEP's blocks above the split micro-batches and those waiting for their backward."""
-    if layout.schedule != "zbv" or layout.activation_checkpointing == "none":
+    """Under zbv with blocks recomputed whole: the saved activations at the heaviest weight-gradient step
+    (0 otherwise), WEIGHT_STEP above the split micro-batches and those waiting for their backward."""
+    recomputed = _recomputed_blocks(layout, stage_layers)
+    if layout.schedule != "zbv" or not recomputed:
         return 0.0
-    block = _split_acts(model, layout, workload, mode)
+    block = _block_acts(model, layout, workload, mode)
     fixed, per_block = WEIGHT_STEP[mode]
-    step = (fixed + per_block * stage_layers) * block
-    split = SPLIT_RECOMPUTED * block * stage_layers
+    step = (fixed + per_block * recomputed - WEIGHT_STEP_FREED * (stage_layers - recomputed)) * block
+    split = _split_held(layout, stage_layers, block, mode)
     states = split_backward_states(layout.pp, rank, micro)
     return max((k * per_stage + j * split + step for k, j in states if j >= 1), default=0.0)
 
