@@ -96,6 +96,12 @@ def test_sharding_and_splitting_shrink_the_most_loaded_rank():
     # Offload takes the sharded states off the device.
     off = estimate_memory(model, Layout(dp_shard=64, zero_stage=3, offload=True), wl)
     assert off.optim == 0 and off.grads < zero[2].grads
+    # On gloo a later micro-batch's reduced shard waits while the next block's backward runs; offloaded, it
+    # waits in host memory (a real 2-rank ZeRO-3 + offload run on gloo holds no gradient shard there).
+    small = Workload(seq_len=128, global_batch=8, precision="fp32")
+    for offload, held in ((False, True), (True, False)):
+        cpu = estimate_memory(get_preset("small"), Layout(dp_shard=2, zero_stage=3, offload=offload), small, "gloo")
+        assert cpu.phase == "reduce in flight" and (cpu.grads > 0) == held
 
 
 def test_a_bigger_local_batch_only_adds_activations():

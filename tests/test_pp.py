@@ -50,6 +50,17 @@ def test_pipeline_with_data_parallel(data_parallel):
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recompute", ["full", "selective", "attention"])
+def test_split_backward_with_recompute_matches_one_process(recompute):
+    # The weight-gradient step runs the recomputed blocks' forward again, apart from the input-gradient step.
+    ranks = run_ranks(train_job, 2, parity_config(FOUR_LAYERS, "parallel.pp=2", "pipeline.schedule=zbv",
+                                                  "pipeline.microbatches=4",
+                                                  f"parallel.activation_checkpointing={recompute}"))
+    _check_parity(ranks[0])
+
+
+@pytest.mark.multiproc
 @pytest.mark.timeout(400)
 def test_3d_pipeline_zero1_tensor_parallel_eight_ranks():
     # Megatron's standard layout: TP × PP × data parallelism with sharded optimizer states (ZeRO-1).

@@ -231,8 +231,10 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     background = reduces_in_background(stage, ds, layout.dp_replicate > 1, workload.precision == "mixed",
                                        layout.pp > 1, backend, layout.reduce_dtype)
     r_bytes = _reduce_bytes(workload, layout, c_bytes)
+    # (Offloaded, the waiting shard is in host memory: real 2-rank `small` ZeRO-3 + offload on gloo.)
     pending = (share.unit_params * r_bytes / ds
-               if background and stage >= 2 and micro > 1 and not stash and share.layers > 1 else 0.0)
+               if background and stage >= 2 and micro > 1 and not stash and share.layers > 1
+               and not layout.offload else 0.0)
     gloo_copy = (share.unit_params * (r_bytes - c_bytes if r_bytes != c_bytes else r_bytes)
                  if backend == "gloo" and fsdp and stage >= 1 and layout.pp == 1 else 0.0)
     # In the blocks' backward the trainer's reference keeps the logits (compute dtype) alive until backward
