@@ -309,8 +309,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     step = weight_step_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro,
                             act_mb / share.stages) if layout.pp > 1 else 0.0
     if step:
-        # zbv's weight-gradient step under recompute (phase_terms.WEIGHT_STEP).
-        phases["weight step"] = (params + (gathered_loss if keep else 0.0), grads_loss, optim,
+        # zbv's weight-gradient step under recompute (phase_terms.WEIGHT_STEP): it comes after a backward,
+        # so the stage's gradients exist even where every micro-batch is in flight at once.
+        phases["weight step"] = (params + (gathered_loss if keep else 0.0), max(grads_loss, grads_full), optim,
                                  step + boundary * boundary_tensors(share.stages, share.last, in_flight), buckets)
     if st.at_rest_grads and (micro > 1):
         # DDP re-orders its buckets once, at the forward of a launch's second step: with gradient
