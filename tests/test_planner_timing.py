@@ -162,6 +162,22 @@ def test_recompute_re_runs_the_checkpointed_blocks_forward():
     assert op.recompute_s == pytest.approx(forwards)
 
 
+def test_split_backward_schedules_re_run_recomputed_blocks_per_weight_group():
+    from meshfit.planner.timing import SPLIT_RERUNS
+
+    def recompute(schedule, ac, virtual=2):
+        return _time(Layout(dp_shard=2, pp=4, zero_stage=1, schedule=schedule, virtual_stages=virtual,
+                            activation_checkpointing=ac)).recompute_s
+
+    reruns = {name: counts["llama"] for name, counts in SPLIT_RERUNS.items()}
+    # Against the schedule of the same stage placement without the split (1), and between the V schedules.
+    assert recompute("interleaved-zb", "full") == pytest.approx(reruns["interleaved-zb"]
+                                                                * recompute("interleaved-1f1b", "full"))
+    assert recompute("zbv", "full") == pytest.approx(reruns["zbv"] / reruns["dualpipev"]
+                                                     * recompute("dualpipev", "full"))
+    assert all(recompute(schedule, "none") == 0.0 for schedule in SPLIT_RERUNS)
+
+
 def test_eager_attention_is_slower_than_flash_on_the_attention_core_only():
     flash = _time(Layout(dp_shard=8, zero_stage=3))
     eager = _time(Layout(dp_shard=8, zero_stage=3), replace(LONG, attention="eager"))

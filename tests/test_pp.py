@@ -125,6 +125,39 @@ def test_split_backward_schedules_refuse_the_data_parallelism_that_loses_gradien
         assert shape(f"parallel.activation_checkpointing={policy}", world=2).zero_stage == 0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_split_backward_re_runs_recomputed_blocks_as_the_plan_counts(schedule, monkeypatch):
+    # torch's weight-gradient step re-runs a recomputed block once per group of weights it reduces; the
+    # step-time plan counts those forwards (planner/timing.py SPLIT_RERUNS). Counted on the dry run.
+    import dataclasses
+
+    from meshfit.models import get_preset, llama
+    from meshfit.planner.layout import Layout, Workload
+    from meshfit.planner.timing import SPLIT_RERUNS
+    from meshfit.planner.verify import verify_layout
+
+    calls = [0]
+    forward = llama.LlamaBlock.forward
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(llama.LlamaBlock, "forward", counted)
+    model = dataclasses.replace(get_preset("small"), n_layers=4)
+    workload = Workload(seq_len=64, global_batch=4, precision="fp32")
+    runs = {}
+    for ac in ("none", "full"):
+        calls[0] = 0
+        result = verify_layout(model, Layout(pp=2, schedule=schedule, virtual_stages=2, micro_batch=1,
+                                             activation_checkpointing=ac), workload, rank=0)
+        runs[ac] = calls[0]
+    block_microbatches = 2 * 4 * result.steps  # rank 0's blocks × micro-batches × steps
+    assert (runs["full"] - runs["none"]) / block_microbatches == pytest.approx(SPLIT_RERUNS[schedule]["llama"],
+                                                                               rel=0.02)
+
+
 def test_search_offers_no_split_backward_schedule_that_loses_gradients():
     from meshfit.models import get_preset
     from meshfit.parallel.schedules import SPLIT_BACKWARD

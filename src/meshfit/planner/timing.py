@@ -71,6 +71,13 @@ DP_OVERLAP = 0.8
 # Bubble Pipeline Parallelism"); ZB-V and DualPipeV (DeepSeek-V3 report) do better once m ≥ 2p, so 1/3
 # of the interleaved bubble is a conservative figure for all three.
 ZERO_BUBBLE_FACTOR = 1.0 / 3.0
+# Under the split-backward schedules a recomputed block's forward runs again in the input-gradient step
+# and, in torch's weight-gradient step, once more per group of weights it reduces: forward re-runs per
+# recomputed block and micro-batch (1 under the other schedules), counted on the dry run of torch 2.13's
+# schedules (`small` and `small-gpt`, PP 2, 4 micro-batches). A real 2-rank run of `small` at seq 512: zbv
+# with full recompute 2.2× 1F1B's step time with it, against 1.3× without recompute.
+SPLIT_RERUNS = {"zbv": {"llama": 5.56, "gpt": 5.06}, "interleaved-zb": {"llama": 5.56, "gpt": 5.06},
+                "dualpipev": {"llama": 2.19, "gpt": 2.06}}
 # Effective host<->device copy rate per GPU: PCIe Gen4/Gen5 x16 links shared by GPU pairs and NICs on
 # common 8-GPU servers, pinned memory.
 PCIE_BYTES_PER_S = 25e9
@@ -270,6 +277,8 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     # (their bytes, below).
     rerun = {"full": 1.0, "selective": (blocks // 2) / max(1, blocks), "none": 0.0, "op": 0.0,
              "attention": 0.0}[ac]
+    if pp > 1 and layout.schedule in SPLIT_RERUNS:
+        rerun *= SPLIT_RERUNS[layout.schedule][model.family]
     redo = rerun * blocks * layer / tp + (core_r if ac == "attention" else 0.0)
     redo_core = (1.0 if ac == "attention" else rerun) * core_r
     slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
