@@ -1,5 +1,6 @@
 """The planner's memory model against torch's memory tracker on meshfit's real blocks and real runs."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -146,3 +147,23 @@ def test_cpu_plans_count_the_reduce_scatter_in_flight():
     # Pipelines reduce blocking at the end of the step: no reduce in flight.
     piped = estimate_memory(model, Layout(pp=2, dp_shard=2, zero_stage=1), workload, backend="gloo")
     assert piped.phase != "reduce in flight"
+
+
+def test_selective_recompute_counts_each_stages_blocks_as_the_trainer_checkpoints_them():
+    # Every second block of each stage is checkpointed (parallel/recompute.py): a one-block stage keeps its
+    # block, so zbv on the four-layer model (one block per stage) plans exactly as without recompute.
+    from meshfit.planner.hardware import Cluster
+    from meshfit.planner.shares import layout_shares
+    from meshfit.planner.timing import step_time
+
+    wl = Workload(seq_len=512, global_batch=4, precision="fp32")
+    zbv = Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1)
+    selective = dataclasses.replace(zbv, activation_checkpointing="selective")
+    small = get_preset("small")
+    assert estimate_memory(small, selective, wl, "gloo").total == estimate_memory(small, zbv, wl, "gloo").total
+    cluster = Cluster("H100-SXM", nodes=1, gpus_per_node=2)
+    assert step_time(small, selective, wl, cluster).recompute_s == 0.0
+    twelve = dataclasses.replace(small, n_layers=12)
+    assert [s.stage_layers for s in layout_shares(twelve, selective, wl)] == [(3, 3), (3, 3)]
+    assert [s.rerun("selective") for s in layout_shares(twelve, selective, wl)] == [2, 2]
+    assert step_time(twelve, selective, wl, cluster).recompute_s > 0.0

@@ -338,9 +338,9 @@ def _split_frontier(ops):
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     waiting, split, states = set(), set(), {(0, 0)}
+    # DualPipeV's overlapped forward + backward runs its forward, then its backward.
+    ops = [sub for op in ops if op is not None for sub in (op.sub_actions or (op,))]
     for op in ops:
-        if op is None:
-            continue
         key = (op.stage_index, op.microbatch_index)
         if op.computation_type == C.FORWARD:
             waiting.add(key)
@@ -367,6 +367,18 @@ def test_zbv_split_backward_states_follow_torch_op_order():
                 for weight in (1, 1.5, 2, 4, 16):
                     assert max(k + weight * j for k, j in got) == max(k + weight * j for k, j in expected), \
                         (pp, m, rank, weight)
+
+
+@pytest.mark.parametrize("schedule, virtuals, first_m", [("interleaved-zb", (2, 3, 4), 1), ("dualpipev", (2,), 2)])
+def test_other_split_backward_states_follow_torch_op_order(schedule, virtuals, first_m):
+    from meshfit.planner.memory import split_backward_states
+
+    for pp in range(2, 6):
+        for v in virtuals:
+            for m in range(first_m * pp, 3 * pp + 1, pp):
+                for rank in range(pp):
+                    expected = _split_frontier(_torch_rank_ops(schedule, pp, m, v, rank))
+                    assert sorted(split_backward_states(pp, rank, m, schedule, v)) == expected, (pp, v, m, rank)
 
 
 def test_zbv_plans_import_no_torch():

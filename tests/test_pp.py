@@ -14,12 +14,12 @@ FOUR_LAYERS = "model.n_layers=4"  # pp × virtual stages = 4 needs four blocks
 
 
 @functools.cache
-def reference():
-    return run_ranks(train_job, 1, parity_config(FOUR_LAYERS))[0]
+def reference(layers=FOUR_LAYERS):
+    return run_ranks(train_job, 1, parity_config(layers))[0]
 
 
-def _check_parity(result):
-    ref = reference()
+def _check_parity(result, layers=FOUR_LAYERS):
+    ref = reference(layers)
     assert max(abs(a - b) for a, b in zip(result["losses"], ref["losses"], strict=True)) <= 1e-5
     assert max(abs(a - b) for a, b in zip(result["grad_norms"], ref["grad_norms"], strict=True)) <= 1e-5
 
@@ -54,10 +54,12 @@ def test_pipeline_with_data_parallel(data_parallel):
 @pytest.mark.parametrize("recompute", ["full", "selective", "attention"])
 def test_split_backward_with_recompute_matches_one_process(recompute):
     # The weight-gradient step runs the recomputed blocks' forward again, apart from the input-gradient step.
-    ranks = run_ranks(train_job, 2, parity_config(FOUR_LAYERS, "parallel.pp=2", "pipeline.schedule=zbv",
+    # Two blocks per stage, so that "selective" checkpoints one of each stage's.
+    layers = "model.n_layers=8"
+    ranks = run_ranks(train_job, 2, parity_config(layers, "parallel.pp=2", "pipeline.schedule=zbv",
                                                   "pipeline.microbatches=4",
                                                   f"parallel.activation_checkpointing={recompute}"))
-    _check_parity(ranks[0])
+    _check_parity(ranks[0], layers)
 
 
 @pytest.mark.multiproc

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from meshfit.config_file import ConfigError, read_config_file
 from meshfit.names import did_you_mean
-from meshfit.parallel.recompute import AC_MODES
+from meshfit.parallel.recompute import AC_EVERY, AC_MODES
 from meshfit.parallel.schedules import SCHEDULES
 from meshfit.parallel.kinds import DEFAULT_MAX_UNIT_PARAMS
 from meshfit.units import parse_bytes
@@ -100,7 +100,7 @@ class ParallelSection(_Section):
     offload: bool = False  # sharded parameters, gradients and optimizer states live in host memory
     mixed_precision: bool = False  # bf16 compute, fp32 master weights and reductions
     activation_checkpointing: str = "none"  # one of parallel/recompute.py's AC_MODES
-    ac_every: int = 2  # selective: checkpoint every ac_every-th transformer block
+    ac_every: int = AC_EVERY  # selective: checkpoint every ac_every-th transformer block of each stage
     sp: bool = False  # sequence parallelism for norms, dropout and the residual stream (needs tp > 1)
     # Mixed precision, ZeRO-2/3: gradients reduce-scattered in fp32, or in the compute dtype (bf16) as
     # DeepSpeed does. Stage 1 always reduces in bf16.

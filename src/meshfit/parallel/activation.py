@@ -10,6 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from meshfit.models.layers import RMSNorm
+from meshfit.parallel.recompute import checkpointed_blocks
 
 # Ops whose outputs the "op" policy keeps: matmuls, attention kernels and reductions (recomputing those
 # would communicate again). Everything else is recomputed, sequence-parallel all-gathers included: their
@@ -32,15 +33,6 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def keeps_block_graph(block: nn.Module) -> bool:
     """Whether ``block`` keeps its own saved tensors (it is not checkpointed whole)."""
     return not isinstance(block, CheckpointWrapper)
-
-
-def checkpointed_blocks(n_layers: int, mode: str, every: int) -> list[int]:
-    """Indices of the blocks checkpointed whole: all ("full", "op"), every k-th ("selective"), none."""
-    if mode in ("full", "op"):
-        return list(range(n_layers))
-    if mode == "selective":
-        return [i for i in range(n_layers) if i % every == every - 1] if every > 1 else list(range(n_layers))
-    return []
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:

@@ -13,4 +13,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 AC_MODES = ("none", "op", "attention", "selective", "full")
+AC_EVERY = 2  # parallel.ac_every's default, which the planner assumes
+
+
+def checkpointed_blocks(n_layers: int, mode: str, every: int = AC_EVERY) -> list[int]:
+    """Indices of a stage's (or an unpipelined model's) blocks checkpointed whole: all ("full", "op"),
+    every k-th ("selective"), none. The trainer applies it to each pipeline stage's blocks."""
+    if mode in ("full", "op"):
+        return list(range(n_layers))
+    if mode == "selective":
+        return [i for i in range(n_layers) if i % every == every - 1] if every > 1 else list(range(n_layers))
+    return []
+
+
+def rerun_blocks(stage_layers: Iterable[int], mode: str) -> int:
+    """Blocks of these stages whose whole forward runs again in backward ("full", "selective")."""
+    if mode not in ("full", "selective"):
+        return 0
+    return sum(len(checkpointed_blocks(n, mode)) for n in stage_layers)

@@ -6,7 +6,8 @@ answer in either vocabulary: ``layout zero_stage`` for a plan, ``parallel.zero_s
 
 from __future__ import annotations
 
-from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages, split_backward_error
+from meshfit.parallel.schedules import (SCHEDULES, fixed_virtual_stages, split_backward_error,
+                                       split_backward_recompute_error)
 
 # Config section of each field the rules name.
 SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel",
@@ -79,12 +80,12 @@ def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offl
     if pp > 1 and fixed is None and virtual_stages < 2:
         return (f"{name('virtual_stages')}={virtual_stages}: {schedule} needs ≥ 2 stages per rank (use gpipe or "
                 "1f1b for one)")
-    why = (split_backward_error(schedule, zero_stage, dp_replicate * cp > 1, mixed_precision,
-                                activation_checkpointing) if pp > 1 else None)
-    if why and activation_checkpointing == "op" and why.startswith("op-level"):
+    why = split_backward_recompute_error(schedule, activation_checkpointing) if pp > 1 else None
+    if why:
         return (f"{name('schedule')}={schedule} splits each backward into input- and weight-gradient steps: {why}; "
                 f"use {name('activation_checkpointing')} full, selective or attention, or {name('schedule')} "
                 "1f1b or interleaved-1f1b")
+    why = split_backward_error(schedule, zero_stage, dp_replicate * cp > 1, mixed_precision) if pp > 1 else None
     if why:
         return (f"{name('schedule')}={schedule} splits each backward into input- and weight-gradient steps, which "
                 f"torch runs outside data parallelism's hooks: with {name('zero_stage')}={zero_stage}, {why}; use "

@@ -33,27 +33,32 @@ def v_shaped(schedule: str) -> bool:
 SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 
 
-def split_backward_error(schedule: str, zero_stage: int, replicated: bool, mixed_precision: bool,
-                         recompute: str = "none") -> str | None:
+def split_backward_error(schedule: str, zero_stage: int, replicated: bool, mixed_precision: bool) -> str | None:
     """Why a split-backward schedule cannot train with this data parallelism (``replicated``: replicas of
-    the weights over dp_replicate or context-parallel ranks) or recompute policy, or None.
+    the weights over dp_replicate or context-parallel ranks), or None.
 
     torch's pipelining computes the weight gradients of a split backward with ``torch.autograd.grad`` on
     the stage's parameters, outside the hooks data parallelism relies on: under FSDP-managed weights that
     are re-sharded after the forward (ZeRO-3, and meshfit's mixed-precision replicas at zero_stage 0) the
     first stage's gradients are lost (measured: `small`, PP 2, loss 0.28 off the one-process run after 10
     steps), and DDP fails inside its reducer (torch issue 144530). ZeRO-1 and 2 keep their weights gathered
-    from forward to backward and match. torch's op-level selective checkpointing allows one backward
-    through each region, and the weight-gradient step is a second one (it fails at the first step)."""
+    from forward to backward and match."""
     if schedule not in SPLIT_BACKWARD:
         return None
-    if recompute == "op":
-        return ("op-level recompute allows one backward through each block and the weight-gradient step is a "
-                "second one")
     if zero_stage == 3:
         return "FSDP re-shards the weights after the forward and the first stage's gradients are lost"
     if zero_stage == 0 and mixed_precision:
         return "mixed precision computes on FSDP-managed weight copies and the first stage's gradients are lost"
     if zero_stage == 0 and replicated:
         return "replicas of the weights lose gradients (FSDP-managed under TP) or fail in DDP's reducer"
+    return None
+
+
+def split_backward_recompute_error(schedule: str, recompute: str) -> str | None:
+    """Why a split-backward schedule cannot train with this recompute policy, or None: torch's op-level
+    selective checkpointing allows one backward through each region, and the weight-gradient step is a
+    second one (measured: the dry run fails at the first step for each of them)."""
+    if schedule in SPLIT_BACKWARD and recompute == "op":
+        return ("op-level recompute allows one backward through each block and the weight-gradient step is a "
+                "second one")
     return None

@@ -27,6 +27,7 @@ both kernels, t = 1 and 2 + SP, every policy.
 from __future__ import annotations
 
 from meshfit.models.config import ModelConfig
+from meshfit.parallel.recompute import rerun_blocks
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import activation_bytes_per_layer
 
@@ -137,9 +138,10 @@ def head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held:
     return held * saved + (tokens * vocab * (8 + extra) if transient else 0.0)
 
 
-def layout_activations(model: ModelConfig, layout: Layout, workload: Workload, layers: int, mode: str
-                       ) -> tuple[float, float]:
+def layout_activations(model: ModelConfig, layout: Layout, workload: Workload, layers: int, mode: str,
+                       rerun: int | None = None) -> tuple[float, float]:
     """(saved activations of one micro-batch through ``layers`` blocks, what backward adds on top).
+    ``rerun``: how many of them are checkpointed whole (by default as one stage of ``layers`` blocks).
 
     With checkpointed blocks, backward re-runs one checkpointed block at a time in full; while that block's
     gradients are computed its recomputed activations and the gradient temporaries (together about 1.45
@@ -154,8 +156,6 @@ def layout_activations(model: ModelConfig, layout: Layout, workload: Workload, l
                                       **kw)
         return layers * kept, full - kept
     kept = checkpointed_block_bytes(model, **kw)
-    if ac == "full":
-        checkpointed = layers
-    else:  # every 2nd block, as parallel.ac_every's default
-        checkpointed = layers // 2
-    return checkpointed * kept + (layers - checkpointed) * full, full * 1.45
+    # "selective" checkpoints every parallel.ac_every-th block of each stage (its default assumed).
+    checkpointed = rerun_blocks((layers,), ac) if rerun is None else rerun
+    return checkpointed * kept + (layers - checkpointed) * full, full * 1.45 if checkpointed else 0.0

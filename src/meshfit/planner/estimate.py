@@ -141,7 +141,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     # RoPE's cos/sin tables (fp32, max_seq_len × head_dim each) live in every Llama stage module.
     buckets = 2 * model.max_seq_len * model.head_dim * 4 * share.stages if model.family == "llama" else 0.0
     tokens = workload.seq_len // layout.cp * layout.micro_batch  # this rank's part of each sequence
-    act_mb, recompute = layout_activations(model, layout, workload, share.layers, mode)
+    act_mb, recompute = layout_activations(model, layout, workload, share.layers, mode,
+                                           share.rerun(layout.activation_checkpointing))
     block_temps = BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
     local = workload.global_batch // layout.dp
     micro = max(1, local // layout.micro_batch)
@@ -164,8 +165,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
                                                     layout.virtual_stages)
         boundary = tokens * model.dim * (4 if mode == "fp32" else 2) / (layout.tp if layout.sp else 1)
-        saved = stage_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro, per_stage,
-                           in_flight)
+        saved = stage_acts(model, layout, workload, mode, share, rank, micro, per_stage, in_flight)
         acts = saved + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
         # 1F1B-style schedules reach their most in-flight micro-batches at the first backward and again in
         # their steady state, after which the stage's gradients exist. A rank that holds every micro-batch
@@ -306,8 +306,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
             boundary * boundary_tensors(share.stages, share.last, 1),
             head_saved / held, head - head_saved, held, tokens * vocab * c_bytes, tokens * vocab * 4,
             recompute + working, block_temps, embedding, embedding / layout.tp / 4 * r_bytes), stages, moments))
-    step = weight_step_acts(model, layout, workload, mode, share.layers / share.stages, rank, micro,
-                            act_mb / share.stages) if layout.pp > 1 else 0.0
+    step = weight_step_acts(model, layout, workload, mode, share, rank, micro, act_mb / share.stages) \
+        if layout.pp > 1 else 0.0
     if step:
         # zbv's weight-gradient step under recompute (phase_terms.WEIGHT_STEP): it comes after a backward,
         # so the stage's gradients exist even where every micro-batch is in flight at once.

@@ -305,15 +305,22 @@ def rank_actions(pp: int, rank: int, microbatches: int, virtual: int, warmup: in
     return tuple(forwards[:w] + steady + backwards[m * v - w:])
 
 
-def split_backward_states(pp: int, stage: int, microbatches: int) -> tuple[tuple[int, int], ...]:
-    """The zbv schedule's states that bound pipeline rank ``stage``'s activations: pairs (forwards whose
-    backward has not begun, input-gradient steps whose weight-gradient step has not run), in units of one
-    micro-batch through one of the rank's two stages.
+def split_backward_states(pp: int, stage: int, microbatches: int, schedule: str = "zbv",
+                          virtual: int = 2) -> tuple[tuple[int, int], ...]:
+    """A split-backward schedule's states that bound pipeline rank ``stage``'s activations: pairs (forwards
+    whose backward has not begun, input-gradient steps whose weight-gradient step has not run), in units of
+    one micro-batch through one of the rank's stages.
+
+    With n the rank's in-flight count: interleaved-zb (n = v·pp) splits as many as its rank, (n − r, r) and
+    (n − r − 1, r + 1); dualpipev (n = 2·pp + 1) runs its steady state as whole backwards and splits only
+    its last micro-batches: (n, 0), (2·pp − 1, 1) but on its last rank, and (pp − j, j) for j up to r + 1.
+    Both are the states of torch 2.13's ``ScheduleInterleavedZeroBubble`` and ``ScheduleDualPipeV`` orders
+    (`tests/test_planner_memory.py`: pp 2–5, v 2–4, m from pp and 2·pp).
 
     Between its input- and weight-gradient steps torch keeps a micro-batch's autograd graph (every saved
     tensor, recomputed ones included) and the gradients of the weights' outputs, so such a micro-batch
-    weighs more than one only waiting for its backward; the rank's peak is the heaviest state. Read off
-    the operation order torch 2.13's ``ScheduleZBVZeroBubble`` generates (`tests/test_planner_memory.py`
+    weighs more than one only waiting for its backward; the rank's peak is the heaviest state. zbv: read
+    off the operation order torch 2.13's ``ScheduleZBVZeroBubble`` generates (`tests/test_planner_memory.py`
     checks this closed form against it for pp 1-8 and 1 to 3·pp micro-batches), keeping the states that
     can be the heaviest when a split micro-batch weighs at least a waiting one: with n =
     min(M + 1 + r, 2·pp, 2·M) micro-batches in flight, (n, 0) and (n − 1, 1); and, where the rank ever
@@ -326,6 +333,13 @@ def split_backward_states(pp: int, stage: int, microbatches: int) -> tuple[tuple
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{pp - 1}")
     m, r = microbatches, stage
+    if schedule != "zbv":
+        n = pipeline_in_flight_microbatches(schedule, pp, r, m, virtual)
+        if schedule == "interleaved-zb":
+            return ((n - r, r), (n - r - 1, r + 1))
+        last = r == pp - 1
+        return ((n, 0),) + (() if last else ((2 * pp - 1, 1),)) + tuple((pp - j, j) for j in range(1 if last else 2,
+                                                                                                   r + 2))
     n = min(m + 1 + r, 2 * pp, 2 * m)
     states = [(n, 0), (n - 1, 1)]
     steady = min(m, 2 * pp - 1)

@@ -24,6 +24,8 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from meshfit.parallel.recompute import rerun_blocks
+
 if TYPE_CHECKING:
     from meshfit.models.config import ModelConfig
 
@@ -132,18 +134,19 @@ def _counted(model: ModelConfig, policy: str) -> OpCounts:
 
 
 def rank_ops(model: ModelConfig, policy: str, blocks: int, has_rest: bool, compiled: bool,
-             per_heavy: Mapping[str, float] | None = None) -> float:
+             per_heavy: Mapping[str, float] | None = None, rerun: int | None = None) -> float:
     """Operators of one micro-batch's forward + backward on a rank holding ``blocks`` blocks (and the
-    embeddings/head when ``has_rest``). meshfit's "selective" checkpoints every second block in full.
-    ``per_heavy``: a compiled block's measured launches per heavy operator by policy (a policy not in it
-    takes "none"'s; without any, COMPILED_PER_HEAVY)."""
+    embeddings/head when ``has_rest``). meshfit's "selective" checkpoints ``rerun`` of them in full (by
+    default as one stage: every second block). ``per_heavy``: a compiled block's measured launches per heavy
+    operator by policy (a policy not in it takes "none"'s; without any, COMPILED_PER_HEAVY)."""
     ratios = per_heavy or {}
 
     def block(p: str) -> float:
         return op_counts(model, p).block_ops(compiled, ratios.get(p, ratios.get("none", COMPILED_PER_HEAVY)))
 
     if policy == "selective":
-        ops = (blocks // 2) * block("full") + (blocks - blocks // 2) * block("none")
+        full = rerun_blocks((blocks,), policy) if rerun is None else rerun
+        ops = full * block("full") + (blocks - full) * block("none")
     else:
         ops = blocks * block(policy)
     return ops + (op_counts(model, "none" if policy == "selective" else policy).rest if has_rest else 0.0)

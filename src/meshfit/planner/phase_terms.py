@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from meshfit.parallel.recompute import rerun_blocks
+from meshfit.parallel.schedules import SPLIT_BACKWARD
 from meshfit.planner.activations import layout_activations
 from meshfit.planner.memory import rank_actions, split_backward_states
 
@@ -49,20 +51,20 @@ Parts = tuple[float, float, float, float, float]
 # input-gradient step re-ran and did not consume (0.70–0.81 in fp32 and under mixed precision; Llama-3 8B,
 # 5 blocks per stage, mixed: 0.77).
 SPLIT_HELD = {"fp32": (0.08, 1.64, 0.75), "bf16": (0.08, 1.84, 0.75)}
-# Under recompute the weight-gradient step re-runs the recomputed blocks again, about once per weight, and
-# holds what it re-ran to the step's end: WEIGHT_STEP = (fixed, per recomputed block) above the micro-batch's
-# held state, of which its blocks kept whole have freed WEIGHT_STEP_FREED each by then. fp32 (middle stages):
-# 1.35 + 5.5 per block, 0.9 freed (selective recompute: 1 of 2 and 2 of 4 blocks recomputed); mixed precision
-# under ZeRO-1 2 (the loss stage, full recompute): 1.4 + 6.9. Llama-3 8B, PP 4 zbv × ZeRO-1 2, seq 4096, 5
-# blocks per stage, measured 35.4 blocks where this plans 35.9. Keyed by compute mode: 16-bit compute counts
-# as mixed precision does (bf16 storage unmeasured).
-WEIGHT_STEP = {"fp32": (1.35, 5.5), "bf16": (1.4, 6.9)}
-WEIGHT_STEP_FREED = 0.9
+# Under recompute the weight-gradient step re-runs the recomputed blocks again, about once per weight group
+# (planner/timing.py SPLIT_RERUNS), and holds what it re-ran to the step's end: WEIGHT_STEP = (fixed, per
+# block under full recompute, per block under selective) above the micro-batch's held state, from the
+# same timelines: fp32 (middle stages) 1.35 + 5.5 per block (1/2/4 blocks per stage), 4.56 per recomputed
+# block under selective (1 of 2 or 3, 2 of 4); mixed precision under ZeRO-1 2 (the loss stage) 1.4 + 6.9
+# (full), 6.2 (selective, 2 of 4). Llama-3 8B, PP 4 zbv × ZeRO-1 2, seq 4096, 5 blocks per stage, measured
+# 35.4 blocks where this plans 35.9. Keyed by compute mode: 16-bit compute counts as mixed precision does
+# (bf16 storage unmeasured).
+WEIGHT_STEP = {"fp32": (1.35, 5.5, 4.56), "bf16": (1.4, 6.9, 6.2)}
 
 
-def _recomputed_blocks(layout: Layout, stage_layers: float) -> float:
-    """Blocks of a stage that re-run their forward whole in backward (on average over the rank's stages)."""
-    return {"full": stage_layers, "selective": stage_layers / 2}.get(layout.activation_checkpointing, 0.0)
+def _per_stage(share: Share, layout: Layout) -> tuple[float, float]:
+    """(blocks, blocks re-run whole in backward) of one of the rank's stages, on average over them."""
+    return share.layers / share.stages, share.rerun(layout.activation_checkpointing) / share.stages
 
 
 def _block_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str) -> float:
@@ -71,36 +73,42 @@ def _block_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: st
     return layout_activations(model, plain, workload, 1, mode)[0]
 
 
-def _split_held(layout: Layout, stage_layers: float, block: float, mode: str) -> float:
-    recomputed = _recomputed_blocks(layout, stage_layers)
+def _split_held(layers: float, recomputed: float, block: float, mode: str) -> float:
     fixed, kept, rerun = SPLIT_HELD[mode]
-    return (fixed + kept * (stage_layers - recomputed) + rerun * recomputed) * block
+    return (fixed + kept * (layers - recomputed) + rerun * recomputed) * block
 
 
-def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
-               rank: int, micro: int, per_stage: float, in_flight: int) -> float:
+def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, share: Share, rank: int,
+               micro: int, per_stage: float, in_flight: int) -> float:
     """Saved activations of a pipeline rank's micro-batches in flight, each through one of its stages
-    (``stage_layers`` blocks, ``per_stage`` bytes under the layout's recompute). Under zbv a micro-batch
-    between its input- and weight-gradient steps keeps part of its autograd graph (SPLIT_HELD)."""
-    if layout.schedule != "zbv":
+    (``per_stage`` bytes under the layout's recompute). Under zbv a micro-batch between its input- and
+    weight-gradient steps keeps part of its autograd graph (SPLIT_HELD)."""
+    if layout.schedule not in SPLIT_BACKWARD:
         return in_flight * per_stage
-    split = _split_held(layout, stage_layers, _block_acts(model, layout, workload, mode), mode)
-    return max(k * per_stage + j * split for k, j in split_backward_states(layout.pp, rank, micro))
+    split = _split_held(*_per_stage(share, layout), _block_acts(model, layout, workload, mode), mode)
+    return max(k * per_stage + j * split for k, j in _states(layout, rank, micro))
 
 
-def weight_step_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, stage_layers: float,
+def _states(layout: Layout, rank: int, micro: int) -> tuple[tuple[int, int], ...]:
+    return split_backward_states(layout.pp, rank, micro, layout.schedule, layout.virtual_stages)
+
+
+def weight_step_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, share: Share,
                      rank: int, micro: int, per_stage: float) -> float:
     """Under zbv with blocks recomputed whole: the saved activations at the heaviest weight-gradient step
     (0 otherwise), WEIGHT_STEP above the split micro-batches and those waiting for their backward."""
-    recomputed = _recomputed_blocks(layout, stage_layers)
-    if layout.schedule != "zbv" or not recomputed:
+    stage_layers, recomputed = _per_stage(share, layout)
+    if layout.schedule not in SPLIT_BACKWARD or not recomputed:
         return 0.0
     block = _block_acts(model, layout, workload, mode)
-    fixed, per_block = WEIGHT_STEP[mode]
-    step = (fixed + per_block * recomputed - WEIGHT_STEP_FREED * (stage_layers - recomputed)) * block
-    split = _split_held(layout, stage_layers, block, mode)
-    states = split_backward_states(layout.pp, rank, micro)
-    return max((k * per_stage + j * split + step for k, j in states if j >= 1), default=0.0)
+    fixed, full, selective = WEIGHT_STEP[mode]
+    per_block = full if layout.activation_checkpointing == "full" else selective
+    # The heaviest of its stages' steps, next to split micro-batches of either stage (their average).
+    step = (fixed + per_block * max(rerun_blocks((layers,), layout.activation_checkpointing)
+                                    for layers in share.stage_layers or (share.layers,))) * block
+    split = _split_held(stage_layers, recomputed, block, mode)
+    return max((k * per_stage + j * split + step for k, j in _states(layout, rank, micro) if j >= 1),
+               default=0.0)
 
 
 @dataclass(frozen=True)

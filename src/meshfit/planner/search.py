@@ -15,7 +15,8 @@ from typing import Any
 from meshfit.models.config import ModelConfig, num_params
 from meshfit.planner.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.hardware import CPU, Cluster
-from meshfit.parallel.schedules import SCHEDULES, fixed_virtual_stages, split_backward_error
+from meshfit.parallel.schedules import (SCHEDULES, fixed_virtual_stages, split_backward_error,
+                                       split_backward_recompute_error)
 from meshfit.parallel.recompute import AC_MODES
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.timing import StepTime, step_time
@@ -180,7 +181,7 @@ def _layouts(model: ModelConfig, workload: Workload, dp: int, tp: int, cp: int, 
                 if shard * cp == 1 and stage == 3 and not offload:
                     continue
                 for ac in acs:
-                    if split_backward_error(schedule, stage, rep * cp > 1, workload.precision != "fp32", ac):
+                    if split_backward_recompute_error(schedule, ac):
                         continue
                     for sp in sps:
                         yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=stage,

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from meshfit.models.config import ModelConfig
 from meshfit.parallel.kinds import DEFAULT_MAX_UNIT_PARAMS
+from meshfit.parallel.recompute import rerun_blocks
 from meshfit.parallel.schedules import v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.activations import block_weight_params
@@ -26,6 +27,12 @@ class Share:
     stages: int  # stages on this rank (virtual pipeline stages)
     first: bool  # holds the embedding
     last: bool  # holds the final norm, the head and the loss
+    stage_layers: tuple[int, ...] = ()  # blocks of each of its stages
+
+    def rerun(self, mode: str) -> int:
+        """Blocks whose whole forward runs again in backward under recompute ``mode`` (per stage, as the
+        trainer checkpoints them)."""
+        return rerun_blocks(self.stage_layers or (self.layers,), mode)
 
 
 def _block_params(model: ModelConfig, tp: int) -> float:
@@ -67,7 +74,8 @@ def _shares(model: ModelConfig, seq: int, tp: int, pp: int, virtual: int, v_shap
         layers = sum(counts[i] for i in ids)
         first, last = 0 in ids, n_stages - 1 in ids
         root = (embed if first else 0) + ((head + final_norm) if last else 0)
-        shares.append(Share(layers * block + root, block, unit, root, layers, len(ids), first, last))
+        shares.append(Share(layers * block + root, block, unit, root, layers, len(ids), first, last,
+                            tuple(counts[i] for i in ids)))
     return tuple(shares)
 
 

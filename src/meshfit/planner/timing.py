@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
+from meshfit.parallel.recompute import rerun_blocks
 from meshfit.parallel.schedules import SPLIT_BACKWARD, v_shaped
 from meshfit.parallel.split import balanced_split, head_flops, layer_flops
 from meshfit.planner.activations import gathered_kv_bytes
@@ -76,7 +77,8 @@ ZERO_BUBBLE_FACTOR = 1.0 / 3.0
 # recomputed block and micro-batch (1 under the other schedules), counted on the dry run of torch 2.13's
 # schedules (`small` and `small-gpt`, PP 2, 4 micro-batches). A real 2-rank run of `small` at seq 512: zbv
 # with full recompute 2.2× 1F1B's step time with it, against 1.3× without recompute.
-SPLIT_RERUNS = {"zbv": {"llama": 5.56, "gpt": 5.06}, "interleaved-zb": {"llama": 5.56, "gpt": 5.06},
+_ZERO_BUBBLE_RERUNS = {"llama": 5.56, "gpt": 5.06}
+SPLIT_RERUNS = {"zbv": _ZERO_BUBBLE_RERUNS, "interleaved-zb": _ZERO_BUBBLE_RERUNS,
                 "dualpipev": {"llama": 2.19, "gpt": 2.06}}
 # Effective host<->device copy rate per GPU: PCIe Gen4/Gen5 x16 links shared by GPU pairs and NICs on
 # common 8-GPU servers, pinned memory.
@@ -128,15 +130,22 @@ def _model_terms(model: ModelConfig, seq_len: int) -> tuple[float, float, float,
 @functools.lru_cache(maxsize=4096)
 def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float,
                     head_cost: float, loads: tuple[float, float, float] | None = None) -> tuple[int, bool, bool]:
-    """(blocks, holds the embedding, holds the head) of the most loaded pipeline rank: by ``loads`` (per
-    block, head and embeddings) when given, else by forward FLOPs.
+    """(blocks, holds the embedding, holds the head) of the most loaded pipeline rank (bottleneck_stages)."""
+    stages, embedding, head = bottleneck_stages(n_layers, pp, virtual, v_shape, layer_cost, head_cost, loads)
+    return sum(stages), embedding, head
+
+
+def bottleneck_stages(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float, head_cost: float,
+                      loads: tuple[float, float, float] | None = None) -> tuple[tuple[int, ...], bool, bool]:
+    """(blocks of each of its stages, holds the embedding, holds the head) of the most loaded pipeline rank:
+    by ``loads`` (per block, head and embeddings) when given, else by forward FLOPs.
 
     Stages split as ``plan_stages`` splits them; ranks hold stages round-robin (r, r+p, …) or V-shaped
     (r and 2p−1−r), as ``StagePlan.stages_of_rank`` places them.
     """
     n_stages = pp * virtual
     if n_stages == 1:
-        return n_layers, True, True
+        return (n_layers,), True, True
     if n_stages > n_layers:
         raise ValueError(f"pp × virtual_stages = {pp} × {virtual} = {n_stages} stages, but the model has "
                          f"{n_layers} layers; every stage needs at least one layer")
@@ -153,7 +162,7 @@ def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_c
                 + (embed_load if 0 in stages else 0.0))
 
     worst = max(owned, key=load)
-    return sum(counts[s] for s in worst), 0 in worst, last in worst
+    return tuple(counts[s] for s in worst), 0 in worst, last in worst
 
 
 @functools.lru_cache(maxsize=256)
@@ -185,18 +194,26 @@ def _elementwise_s(ew: tuple[float, float, float, float], rank: tuple[int, bool,
 
 
 def _operators_s(model: ModelConfig, layout: Layout, workload: Workload, prof: HardwareProfile | None,
-                 rank: tuple[int, bool, bool], m: int, tp_measured: bool) -> tuple[float, float]:
+                 stage_blocks: tuple[int, ...], has_head: bool, m: int, tp_measured: bool) -> tuple[float, float]:
     """(seconds, of which re-run in backward) of the per-operator cost of the rank's ``m`` micro-batches:
     0 without a measured cost per operator, and under a measured tensor-parallel rate (its fixed cost per
     block holds it)."""
     t_op = prof.op_seconds(workload.precision) if prof is not None and not tp_measured else None
     if not t_op:
         return 0.0, 0.0
-    blocks, _, has_head = rank
+    blocks, ac = sum(stage_blocks), layout.activation_checkpointing
     launches = prof.launches_per_heavy() if prof is not None else None  # compiled blocks' measured launches
-    ops = rank_ops(model, layout.activation_checkpointing, blocks, has_head, workload.compiled, launches)
+    ops = rank_ops(model, ac, blocks, has_head, workload.compiled, launches, rerun_blocks(stage_blocks, ac))
     plain = rank_ops(model, "none", blocks, has_head, workload.compiled, launches)
-    return m * ops * t_op, m * max(0.0, ops - plain) * t_op
+    redo = max(0.0, ops - plain) * _reruns(layout, model, ac)
+    return m * (plain + redo) * t_op, m * redo * t_op
+
+
+def _reruns(layout: Layout, model: ModelConfig, ac: str) -> float:
+    """Forward runs per recomputed block and micro-batch in backward (SPLIT_RERUNS; 1 elsewhere)."""
+    if ac not in ("full", "selective") or layout.pp == 1 or layout.schedule not in SPLIT_BACKWARD:
+        return 1.0
+    return SPLIT_RERUNS[layout.schedule][model.family]
 
 
 def _check(layout: Layout, workload: Workload, cluster: Cluster, efficiency: float,
@@ -265,20 +282,19 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     # Stages split by FLOPs, as the pipeline splits them; the most loaded rank by time per token, element-wise
     # work included (a large vocabulary's loss can outweigh several blocks).
     loads = (3 * layer / tp / rate + ew[0] / bandwidth, 3 * head / tp / rate + ew[3] / bandwidth, ew[2] / bandwidth)
-    rank = bottleneck_rank(model.n_layers, pp, virtual, v_shaped(layout.schedule), layer, head, loads)
-    blocks, _, has_head = rank
+    stage_blocks, has_embedding, has_head = bottleneck_stages(model.n_layers, pp, virtual, v_shaped(layout.schedule),
+                                                              layer, head, loads)
+    blocks = sum(stage_blocks)
+    rank = blocks, has_embedding, has_head
 
     # Compute: the bottleneck rank's share of the model FLOPs, 1/tp of it per tensor-parallel rank.
     share = (blocks * layer + head * has_head) / (model.n_layers * layer + head)
     core_r = blocks * core / tp  # attention-core forward FLOPs per token on this rank
     ac = layout.activation_checkpointing
-    # Forward FLOPs re-run in backward. meshfit's "selective" checkpoints every second block in full
-    # (parallel.ac_every = 2); "attention" re-runs the attention core; "op" re-runs element-wise ops only
-    # (their bytes, below).
-    rerun = {"full": 1.0, "selective": (blocks // 2) / max(1, blocks), "none": 0.0, "op": 0.0,
-             "attention": 0.0}[ac]
-    if pp > 1 and layout.schedule in SPLIT_RERUNS:
-        rerun *= SPLIT_RERUNS[layout.schedule][model.family]
+    # Forward FLOPs re-run in backward. meshfit's "selective" checkpoints every second block of each stage in
+    # full (parallel.ac_every = 2); "attention" re-runs the attention core; "op" re-runs element-wise ops
+    # only (their bytes, below).
+    rerun = rerun_blocks(stage_blocks, ac) / max(1, blocks) * _reruns(layout, model, ac)
     redo = rerun * blocks * layer / tp + (core_r if ac == "attention" else 0.0)
     redo_core = (1.0 if ac == "attention" else rerun) * core_r
     slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
@@ -297,7 +313,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         return tokens * ((flops - core) / rate + core * (1.0 + slow) / attn_rate)
 
     ew_s, ew_redo_s = _elementwise_s(ew, rank, 1.0 if ac == "op" else rerun, tokens, bandwidth)
-    ops_s, ops_redo_s = _operators_s(model, layout, workload, prof, rank, m, tp_rate is not None)
+    ops_s, ops_redo_s = _operators_s(model, layout, workload, prof, stage_blocks, has_head, m, tp_rate is not None)
     compute_s = (seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
                  + ops_s)
     recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s + ops_redo_s
