@@ -67,6 +67,16 @@ KINDS = {
                                      activation_checkpointing="selective"),
                               Workload(seq_len=2048, global_batch=4, precision="fp32"),
                               dataclasses.replace(get_preset("small"), max_seq_len=2048, n_layers=8)),
+    # The other split-backward schedules under recompute: their own orders of split micro-batches, the same
+    # weight-gradient steps.
+    "pp-interleaved-zb-ac": (Layout(pp=2, schedule="interleaved-zb", virtual_stages=2, micro_batch=1,
+                                    activation_checkpointing="full"),
+                             Workload(seq_len=512, global_batch=4, precision="fp32"),
+                             dataclasses.replace(get_preset("small"), n_layers=8)),
+    "pp-dualpipev-ac": (Layout(pp=2, schedule="dualpipev", virtual_stages=2, micro_batch=1,
+                               activation_checkpointing="full"),
+                        Workload(seq_len=512, global_batch=4, precision="fp32"),
+                        dataclasses.replace(get_preset("small"), n_layers=8)),
     # An interleaved rank's stages accumulate and reduce their gradients at different times (m = p).
     "pp-interleaved-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
                                    micro_batch=1), MIXED_4),

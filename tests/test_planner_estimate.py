@@ -167,3 +167,17 @@ def test_selective_recompute_counts_each_stages_blocks_as_the_trainer_checkpoint
     assert [s.stage_layers for s in layout_shares(twelve, selective, wl)] == [(3, 3), (3, 3)]
     assert [s.rerun("selective") for s in layout_shares(twelve, selective, wl)] == [2, 2]
     assert step_time(twelve, selective, wl, cluster).recompute_s > 0.0
+
+
+def test_the_weight_gradient_step_comes_after_a_backward_so_gradients_exist():
+    # zbv at m = p: rank 1 holds every micro-batch before its first backward (no gradient there), but its
+    # weight-gradient steps follow backwards (the dry run: the stage's gradients exist at that peak).
+    from meshfit.planner.estimate import _phases
+    from meshfit.planner.shares import layout_shares
+
+    small, wl = get_preset("small"), Workload(seq_len=256, global_batch=2, precision="fp32")
+    layout = Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1, activation_checkpointing="full")
+    share = layout_shares(small, layout, wl)[1]
+    phases = _phases(small, layout, wl, share, 1)
+    assert phases["loss"][1] == 0.0 and phases["weight step"][1] == share.params * 4
+

@@ -128,26 +128,29 @@ def test_split_backward_schedules_refuse_the_data_parallelism_that_loses_gradien
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_split_backward_re_runs_recomputed_blocks_as_the_plan_counts(schedule, monkeypatch):
+@pytest.mark.parametrize("schedule, family", [("zbv", "llama"), ("interleaved-zb", "llama"), ("dualpipev", "llama"),
+                                              ("zbv", "gpt"), ("dualpipev", "gpt")])
+def test_split_backward_re_runs_recomputed_blocks_as_the_plan_counts(schedule, family, monkeypatch):
     # torch's weight-gradient step re-runs a recomputed block once per group of weights it reduces; the
     # step-time plan counts those forwards (planner/timing.py SPLIT_RERUNS). Counted on the dry run.
     import dataclasses
 
-    from meshfit.models import get_preset, llama
+    from meshfit.models import get_preset, gpt, llama
     from meshfit.planner.layout import Layout, Workload
     from meshfit.planner.timing import SPLIT_RERUNS
     from meshfit.planner.verify import verify_layout
 
     calls = [0]
-    forward = llama.LlamaBlock.forward
+    block = llama.LlamaBlock if family == "llama" else gpt.GPTBlock
+    forward = block.forward
 
     def counted(self, *args, **kwargs):
         calls[0] += 1
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(llama.LlamaBlock, "forward", counted)
-    model = dataclasses.replace(get_preset("small"), n_layers=4)
+    monkeypatch.setattr(block, "forward", counted)
+    preset = "small" if family == "llama" else "small-gpt"
+    model = dataclasses.replace(get_preset(preset), n_layers=4, tie_embeddings=False)
     workload = Workload(seq_len=64, global_batch=4, precision="fp32")
     runs = {}
     for ac in ("none", "full"):
@@ -156,7 +159,7 @@ def test_split_backward_re_runs_recomputed_blocks_as_the_plan_counts(schedule, m
                                              activation_checkpointing=ac), workload, rank=0)
         runs[ac] = calls[0]
     block_microbatches = 2 * 4 * result.steps  # rank 0's blocks × micro-batches × steps
-    assert (runs["full"] - runs["none"]) / block_microbatches == pytest.approx(SPLIT_RERUNS[schedule]["llama"],
+    assert (runs["full"] - runs["none"]) / block_microbatches == pytest.approx(SPLIT_RERUNS[schedule][family],
                                                                                rel=0.02)
 
 
