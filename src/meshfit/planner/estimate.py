@@ -25,8 +25,8 @@ from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background, st
 from meshfit.planner.hardware import GPU
 from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.memory import pipeline_in_flight_microbatches
-from meshfit.planner.phase_terms import (RootReduce, Stage3Terms, boundary_tensors, pipe_stages,
-                                         pipelined_stage3_phases, root_reduce_phase, stage_acts,
+from meshfit.planner.phase_terms import (RootReduce, Stage3Terms, boundary_tensors, interleaved_peak,
+                                         pipe_stages, pipelined_stage3_phases, root_reduce_phase, stage_acts,
                                          weight_step_acts)
 from meshfit.planner.precision import STORAGE_BYTES, state_bytes
 from meshfit.planner.shares import Share, layout_shares
@@ -165,13 +165,18 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
                                                     layout.virtual_stages)
         boundary = tokens * model.dim * (4 if mode == "fp32" else 2) / (layout.tp if layout.sp else 1)
-        saved = stage_acts(model, layout, workload, mode, share, rank, micro, per_stage, in_flight)
-        acts = saved + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
         # 1F1B-style schedules reach their most in-flight micro-batches at the first backward and again in
         # their steady state, after which the stage's gradients exist. A rank that holds every micro-batch
         # of the step at once (GPipe; the others with no more micro-batches than their warm-up) has that
-        # peak only before its first backward, when no gradient exists yet.
+        # peak only before its first backward, when no gradient exists yet. An interleaved rank's stages
+        # start their backwards at different times: the heaviest backward start of its order counts the
+        # micro-batches then in flight and the gradients of the stages that have run a backward.
         grads_loss = 0.0 if in_flight >= micro * share.stages else grads_full
+        if layout.schedule == "interleaved-1f1b":
+            in_flight, grads_loss = interleaved_peak(layout.pp, rank, micro, layout.virtual_stages, per_stage,
+                                                     grads_full)
+        saved = stage_acts(model, layout, workload, mode, share, rank, micro, per_stage, in_flight)
+        acts = saved + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
     else:
         acts = act_mb + head
         grads_loss = stash or accumulated or (grads_full if micro > 1 else 0.0)

@@ -222,6 +222,17 @@ def rank_moments(pp: int, rank: int, microbatches: int, virtual: int, warmup: in
     return walk_moments(rank_actions(pp, rank, microbatches, virtual, rounds=3), loss_stage)
 
 
+def interleaved_peak(pp: int, rank: int, micro: int, virtual: int, per_stage: float, grads: float
+                     ) -> tuple[int, float]:
+    """(micro-batches in flight, gradient bytes) at the heaviest backward start of an interleaved rank whose
+    gradients exist from each stage's first backward on (``grads``: all its stages'), by the rank's order."""
+    def weight(m: Moment) -> tuple[int, float]:
+        return m.in_flight, grads * len(m.accumulating + m.reduced) / virtual
+
+    starts = [weight(m) for m in rank_moments(pp, rank, micro, virtual) if m.kind == "B"]
+    return max(starts, key=lambda w: w[0] * per_stage + w[1])
+
+
 def walk_moments(order: tuple[tuple[str, int], ...], loss_stage: int | None = None) -> tuple[Moment, ...]:
     """The moments of ``order``. Of moments that differ only in their counts of micro-batches in flight,
     those with fewer of both are dropped: they hold less."""
