@@ -181,3 +181,13 @@ def test_the_weight_gradient_step_comes_after_a_backward_so_gradients_exist():
     phases = _phases(small, layout, wl, share, 1)
     assert phases["loss"][1] == 0.0 and phases["weight step"][1] == share.params * 4
 
+
+def test_an_interleaved_rank_counts_only_the_gradients_of_stages_that_ran_a_backward():
+    # PP 2, v 2, m = p, rank 0: its last stage runs both backwards (4 then 3 micro-batches in flight) before
+    # its first stage starts (2, with the last stage's gradients); the heaviest start depends on the sizes.
+    from meshfit.planner.phase_terms import interleaved_peak
+
+    assert interleaved_peak(2, 0, 2, 2, per_stage=1.0, grads=1.0) == (4, 0.0)
+    assert interleaved_peak(2, 0, 2, 2, per_stage=1.0, grads=4.0) == (3, 2.0)
+    # In the steady state (m = 4p) every stage has run a backward at the heaviest start.
+    assert interleaved_peak(2, 0, 8, 2, per_stage=1.0, grads=1.0)[1] == 1.0

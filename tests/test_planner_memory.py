@@ -414,13 +414,3 @@ def test_cached_layer_activations_still_validate_after_an_equal_valid_call():
     with pytest.raises(ValueError):
         activation_bytes_per_layer(t=True, **kw)
 
-
-def test_an_interleaved_rank_counts_only_the_gradients_of_stages_that_ran_a_backward():
-    # PP 2, v 2, m = p, rank 0: its last stage runs both backwards (4 then 3 micro-batches in flight) before
-    # its first stage starts (2, with the last stage's gradients); the heaviest start depends on the sizes.
-    from meshfit.planner.phase_terms import interleaved_peak
-
-    assert interleaved_peak(2, 0, 2, 2, per_stage=1.0, grads=1.0) == (4, 0.0)
-    assert interleaved_peak(2, 0, 2, 2, per_stage=1.0, grads=4.0) == (3, 2.0)
-    # In the steady state (m = 4p) every stage has run a backward at the heaviest start.
-    assert interleaved_peak(2, 0, 8, 2, per_stage=1.0, grads=1.0)[1] == 1.0

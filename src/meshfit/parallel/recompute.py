@@ -7,7 +7,7 @@
   keeping every matmul).
 * ``attention``: the attention core (scores, softmax, its dropout; or the fused kernel) is recomputed from
   q, k and v, everything else is kept (Korthikanti et al. 2022's selective recomputation).
-* ``selective``: every ``ac_every``-th block is checkpointed in full.
+* ``selective``: every ``ac_every``-th block of each pipeline stage is checkpointed in full.
 * ``full``: every block keeps only its input and re-runs its forward in backward.
 """
 

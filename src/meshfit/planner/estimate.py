@@ -159,7 +159,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     g_store = STORAGE_BYTES[workload.precision]
     stash = (grads_full * c_bytes / g_store
              if stashes_gradients(stage, workload.precision == "mixed", micro, layout.pp > 1) else 0.0)
-    in_flight = 1
+    in_flight, grad_share = 1, 1.0  # grad_share: of the stages' accumulators, those alive at the peak
     if layout.pp > 1:
         per_stage = act_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
@@ -172,9 +172,15 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         # start their backwards at different times: the heaviest backward start of its order counts the
         # micro-batches then in flight and the gradients of the stages that have run a backward.
         grads_loss = 0.0 if in_flight >= micro * share.stages else grads_full
-        if layout.schedule == "interleaved-1f1b":
-            in_flight, grads_loss = interleaved_peak(layout.pp, rank, micro, layout.virtual_stages, per_stage,
-                                                     grads_full)
+        if layout.schedule == "interleaved-1f1b" and not (fsdp and stage == 3):
+            # The gradients that appear at a stage's first backward: FSDP's unsharded accumulators; without
+            # FSDP, what is not held all step (DDP's buckets are).
+            appear = (n * _reduce_bytes(workload, layout, c_bytes) if fsdp
+                      else grads_full - st.at_rest_grads)
+            in_flight, appeared = interleaved_peak(layout.pp, rank, micro, layout.virtual_stages, per_stage,
+                                                   appear)
+            grad_share = appeared / appear if appear else 1.0
+            grads_loss = appeared if fsdp else st.at_rest_grads + appeared
         saved = stage_acts(model, layout, workload, mode, share, rank, micro, per_stage, in_flight)
         acts = saved + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
     else:
@@ -202,7 +208,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         gathered_loss = (share.root_params + (share.layers * share.block_params if keep else unit)) * c_bytes
         unit_grads = unit * c_bytes
         r_bytes = _reduce_bytes(workload, layout, c_bytes)
-        if unit < share.block_params and not keep and layout.activation_checkpointing in ("full", "op", "selective"):
+        whole_rerun = layout.activation_checkpointing == "op" or share.rerun(layout.activation_checkpointing) > 0
+        if unit < share.block_params and not keep and whole_rerun:
             # A recomputed block runs its forward again inside backward, and FSDP2 does not re-shard units
             # gathered then (their backward follows): the whole block is gathered until its last unit's
             # gradients exist, which FSDP2 re-shards before reducing them (measured with the dry run).
@@ -227,7 +234,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
             # torch's PipelineStage defers FSDP's gradient reduce-scatter and re-sharding to the end of the
             # step: after the first backward every unit stays gathered and gradients accumulate unsharded.
             gathered = gathered_loss = (share.root_params + (share.layers + 1) * share.block_params) * c_bytes
-            grads_loss = n * _reduce_bytes(workload, layout, c_bytes)
+            grads_loss = n * _reduce_bytes(workload, layout, c_bytes) * grad_share
             unit_grads = working = 0.0
     # On gloo a reduce-scatter receives its input's size in chunks (parallel/host_reduce.py): one unit's
     # gradients in the reduce dtype; a cast input has freed the 16-bit ones (2 × 4 bytes per parameter where
@@ -314,7 +321,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     step = weight_step_acts(model, layout, workload, mode, share, rank, micro, act_mb / share.stages) \
         if layout.pp > 1 else 0.0
     if step:
-        # zbv's weight-gradient step under recompute (phase_terms.WEIGHT_STEP): it comes after a backward,
+        # The split backward's weight-gradient step under recompute (phase_terms.WEIGHT_STEP): it follows a backward,
         # so the stage's gradients exist even where every micro-batch is in flight at once.
         phases["weight step"] = (params + (gathered_loss if keep else 0.0), max(grads_loss, grads_full), optim,
                                  step + boundary * boundary_tensors(share.stages, share.last, in_flight), buckets)

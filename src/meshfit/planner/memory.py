@@ -311,9 +311,9 @@ def split_backward_states(pp: int, stage: int, microbatches: int, schedule: str 
     whose backward has not begun, input-gradient steps whose weight-gradient step has not run), in units of
     one micro-batch through one of the rank's stages.
 
-    With n the rank's in-flight count: interleaved-zb (n = v·pp) splits as many as its rank, (n − r, r) and
-    (n − r − 1, r + 1); dualpipev (n = 2·pp + 1) runs its steady state as whole backwards and splits only
-    its last micro-batches: (n, 0), (2·pp − 1, 1) but on its last rank, and (pp − j, j) for j up to r + 1.
+    With n the rank's in-flight count: interleaved-zb (n = v·pp when pp divides m) splits as many as its
+    rank, (n − r, r) and (n − r − 1, r + 1); dualpipev (n = 2·pp + 1) runs its steady state as whole
+    backwards and splits only its last micro-batches: (n, 0), (2·pp − 1, 1) but on its last rank, and (pp − j, j) for j up to r + 1.
     Both are the states of torch 2.13's ``ScheduleInterleavedZeroBubble`` and ``ScheduleDualPipeV`` orders
     (`tests/test_planner_memory.py`: pp 2–5, v 2–4, m from pp and 2·pp).
 
@@ -333,10 +333,13 @@ def split_backward_states(pp: int, stage: int, microbatches: int, schedule: str 
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{pp - 1}")
     m, r = microbatches, stage
+    if schedule not in ("zbv", "interleaved-zb", "dualpipev"):
+        raise ValueError(f"schedule={schedule!r} does not split its backward; valid: zbv, interleaved-zb, dualpipev")
     if schedule != "zbv":
         n = pipeline_in_flight_microbatches(schedule, pp, r, m, virtual)
         if schedule == "interleaved-zb":
-            return ((n - r, r), (n - r - 1, r + 1))
+            j = min(r, n - 1)  # fewer micro-batches than ranks (not a layout meshfit runs) split fewer
+            return ((n - j, j), (n - j - 1, j + 1))
         last = r == pp - 1
         return ((n, 0),) + (() if last else ((2 * pp - 1, 1),)) + tuple((pp - j, j) for j in range(1 if last else 2,
                                                                                                    r + 2))

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 # Launches per heavy operator (matmul, attention) of a compiled block when the profile has no measured count:
 # the extern kernel and the fused element-wise kernel that follows it (assumed).
 COMPILED_PER_HEAVY = 2.0
-# Policies counted directly; "selective" mixes "full" (every second block) and "none" (planner/timing.py).
+# Policies counted directly; "selective" mixes "full" (every second block of each stage) and "none"
+# (planner/timing.py).
 COUNTED_POLICIES = ("none", "full", "op", "attention")
 _SEQ = 16  # tokens per sequence of the counting run (counts do not depend on sizes)
 

@@ -2,7 +2,8 @@
 
 The root reduction (`root_reduce_phase`): the end of backward, when the root unit reduces its gradients.
 
-A pipeline rank's micro-batches in flight (`stage_acts`), zbv's split backward included.
+A pipeline rank's micro-batches in flight (`stage_acts`), the split backward of zbv, interleaved-zb and
+dualpipev included.
 
 A pipeline rank whose stages are sharded at ZeRO-3 (`pipelined_stage3_phases`): torch's stage defers FSDP's
 gradient reduction to a stage's last backward, so a stage's gradients accumulate unsharded (in the reduce
@@ -81,21 +82,23 @@ def _split_held(layers: float, recomputed: float, block: float, mode: str) -> fl
 def stage_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, share: Share, rank: int,
                micro: int, per_stage: float, in_flight: int) -> float:
     """Saved activations of a pipeline rank's micro-batches in flight, each through one of its stages
-    (``per_stage`` bytes under the layout's recompute). Under zbv a micro-batch between its input- and
-    weight-gradient steps keeps part of its autograd graph (SPLIT_HELD)."""
+    (``per_stage`` bytes under the layout's recompute). Under a split backward (zbv, interleaved-zb,
+    dualpipev) a micro-batch between its input- and weight-gradient steps keeps part of its autograd graph
+    (SPLIT_HELD)."""
     if layout.schedule not in SPLIT_BACKWARD:
         return in_flight * per_stage
     split = _split_held(*_per_stage(share, layout), _block_acts(model, layout, workload, mode), mode)
-    return max(k * per_stage + j * split for k, j in _states(layout, rank, micro))
+    return max(k * per_stage + j * split for k, j in _split_states(layout, rank, micro))
 
 
-def _states(layout: Layout, rank: int, micro: int) -> tuple[tuple[int, int], ...]:
+def _split_states(layout: Layout, rank: int, micro: int) -> tuple[tuple[int, int], ...]:
+    """(waiting, split) micro-batch counts of the rank's heaviest states (memory.split_backward_states)."""
     return split_backward_states(layout.pp, rank, micro, layout.schedule, layout.virtual_stages)
 
 
 def weight_step_acts(model: ModelConfig, layout: Layout, workload: Workload, mode: str, share: Share,
                      rank: int, micro: int, per_stage: float) -> float:
-    """Under zbv with blocks recomputed whole: the saved activations at the heaviest weight-gradient step
+    """Under a split backward with blocks recomputed whole: the saved activations at the heaviest weight step
     (0 otherwise), WEIGHT_STEP above the split micro-batches and those waiting for their backward."""
     stage_layers, recomputed = _per_stage(share, layout)
     if layout.schedule not in SPLIT_BACKWARD or not recomputed:
@@ -105,9 +108,9 @@ def weight_step_acts(model: ModelConfig, layout: Layout, workload: Workload, mod
     per_block = full if layout.activation_checkpointing == "full" else selective
     # The heaviest of its stages' steps, next to split micro-batches of either stage (their average).
     step = (fixed + per_block * max(rerun_blocks((layers,), layout.activation_checkpointing)
-                                    for layers in share.stage_layers or (share.layers,))) * block
+                                    for layers in share.stage_layers)) * block
     split = _split_held(stage_layers, recomputed, block, mode)
-    return max((k * per_stage + j * split + step for k, j in _states(layout, rank, micro) if j >= 1),
+    return max((k * per_stage + j * split + step for k, j in _split_states(layout, rank, micro) if j >= 1),
                default=0.0)
 
 

@@ -27,12 +27,17 @@ class Share:
     stages: int  # stages on this rank (virtual pipeline stages)
     first: bool  # holds the embedding
     last: bool  # holds the final norm, the head and the loss
-    stage_layers: tuple[int, ...] = ()  # blocks of each of its stages
+    stage_layers: tuple[int, ...]  # blocks of each of its stages
+
+    def __post_init__(self) -> None:
+        if len(self.stage_layers) != self.stages or sum(self.stage_layers) != self.layers:
+            raise ValueError(f"stage_layers={self.stage_layers} must be {self.stages} counts adding up to "
+                             f"{self.layers} layers")
 
     def rerun(self, mode: str) -> int:
         """Blocks whose whole forward runs again in backward under recompute ``mode`` (per stage, as the
         trainer checkpoints them)."""
-        return rerun_blocks(self.stage_layers or (self.layers,), mode)
+        return rerun_blocks(self.stage_layers, mode)
 
 
 def _block_params(model: ModelConfig, tp: int) -> float:

@@ -8,7 +8,7 @@ literature it cites and the way meshfit's torch building blocks communicate:
   at ``efficiency`` × the datasheet peak (bf16 tensor cores for mixed/bf16, plain fp32 for fp32).
   Activation recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models"): a checkpointed block re-runs its forward (+1/3 of its fwd+bwd FLOPs); "full"
-  checkpoints every block, meshfit's "selective" every second one.
+  checkpoints every block, meshfit's "selective" every second one of each pipeline stage.
 * Element-wise kernels (norms, RoPE, activations, residual adds, casts, the loss's softmax) are memory-bound:
   the bytes they read and write per token (``models.traffic``, counted from meshfit's model code) at the
   memory bandwidth: the calibrated element-wise rate, else HBM_EFFICIENCY × the datasheet HBM rate.
@@ -127,7 +127,6 @@ def _model_terms(model: ModelConfig, seq_len: int) -> tuple[float, float, float,
             4.0 * model.dim * seq_len, float(num_params(model)))
 
 
-@functools.lru_cache(maxsize=4096)
 def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float,
                     head_cost: float, loads: tuple[float, float, float] | None = None) -> tuple[int, bool, bool]:
     """(blocks, holds the embedding, holds the head) of the most loaded pipeline rank (bottleneck_stages)."""
@@ -135,6 +134,7 @@ def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_c
     return sum(stages), embedding, head
 
 
+@functools.lru_cache(maxsize=4096)
 def bottleneck_stages(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float, head_cost: float,
                       loads: tuple[float, float, float] | None = None) -> tuple[tuple[int, ...], bool, bool]:
     """(blocks of each of its stages, holds the embedding, holds the head) of the most loaded pipeline rank:
