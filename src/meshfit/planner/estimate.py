@@ -321,8 +321,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     step = weight_step_acts(model, layout, workload, mode, share, rank, micro, act_mb / share.stages) \
         if layout.pp > 1 else 0.0
     if step:
-        # The split backward's weight-gradient step under recompute (phase_terms.WEIGHT_STEP): it follows a backward,
-        # so the stage's gradients exist even where every micro-batch is in flight at once.
+        # The split backward's weight-gradient step under recompute (phase_terms.WEIGHT_STEP): it follows a
+        # backward, so the stage's gradients exist even where every micro-batch is in flight at once.
         phases["weight step"] = (params + (gathered_loss if keep else 0.0), max(grads_loss, grads_full), optim,
                                  step + boundary * boundary_tensors(share.stages, share.last, in_flight), buckets)
     if st.at_rest_grads and (micro > 1):

@@ -313,7 +313,8 @@ def split_backward_states(pp: int, stage: int, microbatches: int, schedule: str 
 
     With n the rank's in-flight count: interleaved-zb (n = v·pp when pp divides m) splits as many as its
     rank, (n − r, r) and (n − r − 1, r + 1); dualpipev (n = 2·pp + 1) runs its steady state as whole
-    backwards and splits only its last micro-batches: (n, 0), (2·pp − 1, 1) but on its last rank, and (pp − j, j) for j up to r + 1.
+    backwards and splits only its last micro-batches: (n, 0), (2·pp − 1, 1) but on its last rank, and
+    (pp − j, j) for j up to r + 1.
     Both are the states of torch 2.13's ``ScheduleInterleavedZeroBubble`` and ``ScheduleDualPipeV`` orders
     (`tests/test_planner_memory.py`: pp 2–5, v 2–4, m from pp and 2·pp).
 
