@@ -54,7 +54,8 @@ def nonfinite_job(cfg_dict: dict[str, Any], fault: str) -> dict[str, Any]:
 
     from meshfit.train.faults import Faults
     from meshfit.train.guard import NonFiniteError, StepGuard
-    from meshfit.train.trainer import build_run, train_step
+    from meshfit.train.run import build_run
+    from meshfit.train.trainer import train_step
 
     cfg = config_from_dict(cfg_dict)
     env = init_distributed(cfg.train.device)
@@ -85,7 +86,8 @@ def stash_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from meshfit.train.trainer import _micro_step, build_run
+    from meshfit.train.run import build_run
+    from meshfit.train.trainer import _micro_step
 
     cfg = config_from_dict(cfg_dict)
     env = init_distributed(cfg.train.device)

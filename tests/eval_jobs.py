@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dist_jobs import train_job
+
 from meshfit.config import config_from_dict
 from meshfit.train.dist import init_distributed
 
@@ -20,7 +21,7 @@ def untouched_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from meshfit.train.evaluate import evaluate
-    from meshfit.train.trainer import build_run
+    from meshfit.train.run import build_run
 
     cfg = config_from_dict(cfg_dict)
     run = build_run(cfg, init_distributed(cfg.train.device), None)

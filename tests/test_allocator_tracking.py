@@ -7,15 +7,16 @@ on to the tracker), reading a stand-in allocator that counts live tensor bytes (
 import pytest
 import torch
 import torch.distributed as dist
-
 from live_bytes import LiveBytes
+
 from meshfit.config import load_config
 from meshfit.memory.allocator import AllocatorTracker
 from meshfit.memory.meter import MemoryMeter
 from meshfit.memory.tracker import MemoryBudgetExceeded
-from meshfit.testing import run_ranks
 from meshfit.train.dist import RankEnv
-from meshfit.train.trainer import build_run, measured_step
+from meshfit.train.run import build_run
+from meshfit.train.trainer import measured_step
+from meshfit.util.ranks import run_ranks
 
 CPU = torch.device("cpu")
 STEPS = 3  # optimizer states appear in step 1; steps 2 and 3 are steady

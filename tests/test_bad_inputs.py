@@ -1,6 +1,6 @@
 """Every user mistake is a message, never a traceback.
 
-Each case runs `meshfit.cli.main(argv)` in this process and checks: the exit code (2: refused input), that
+Each case runs `meshfit.commands.main.main(argv)` in this process and checks: the exit code (2: refused input), that
 the output names the flag, field or file and what would be valid, that no traceback or internal name
 (pydantic's, a dataclass's) reaches the user, and that nothing on disk changed. Every case is refused
 before any rank starts; the one tiny training run (`trained`) is shared by the whole module.
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from meshfit.cli import main
+from meshfit.commands.main import main
 from meshfit.config import load_config
-from meshfit.testing import snapshot
+from meshfit.util.ranks import snapshot
 
 TINY = "--set model.preset=tiny --set train.steps=2 --set train.seq_len=32"
 BPE = "--set model.vocab_size=270 --set data.source=text --set data.tokenizer=bpe"

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from meshfit.cli import main
+from meshfit.commands.main import main
+from meshfit.hardware.catalog import Cluster, cpu_device
+from meshfit.hardware.profile import HardwareProfile, Link, load_profile, save_profile
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models.config import flops_per_token, num_params
 from meshfit.models.presets import get_preset
 from meshfit.models.traffic import elementwise_traffic
-from meshfit.planner.comm_time import DDP_BUCKET_BYTES
-from meshfit.planner.hardware import Cluster, cpu_device
-from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.profile import HardwareProfile, Link, load_profile, save_profile
-from meshfit.planner.timing import step_time
+from meshfit.planner.timing.comms import DDP_BUCKET_BYTES
+from meshfit.planner.timing.estimate import step_time
 
 TINY = get_preset("tiny")
 WORK = Workload(seq_len=64, global_batch=8, precision="fp32")
@@ -137,8 +137,8 @@ def test_measured_rates_order_layouts_and_overlap_hides_communication():
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_calibrate_then_plan_cpu_ranks(tmp_path, capsys, monkeypatch):
-    from meshfit.calibrate_sizes import layout_messages
-    from meshfit.planner.op_count import op_counts
+    from meshfit.calibrate.message_sizes import layout_messages
+    from meshfit.planner.timing.op_count import op_counts
 
     # The compiled block's launches: one inductor cache with tests/test_compile.py (a warm one compiles nothing).
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "meshfit-tests-inductor"))
@@ -225,7 +225,7 @@ def test_a_profile_without_the_operator_cost_loads_and_says_what_it_lacks(tmp_pa
 
 
 def test_the_operator_cost_is_counted_operators_times_the_measured_cost_per_micro_batch():
-    from meshfit.planner.op_count import rank_ops
+    from meshfit.planner.timing.op_count import rank_ops
 
     plain = _time(Layout(dp_replicate=2, micro_batch=1), _profile())
     for mb in (1, 4):
@@ -242,8 +242,8 @@ def test_the_operator_cost_is_counted_operators_times_the_measured_cost_per_micr
 
 
 def test_plan_says_what_times_rest_on_and_which_it_cannot_order():
-    from meshfit.planner.hardware import get_gpu
-    from meshfit.planner.time_basis import DATASHEET_ERROR, MODEL_CALIBRATED_ERROR, close_runs, time_basis
+    from meshfit.hardware.catalog import get_gpu
+    from meshfit.planner.timing.basis import DATASHEET_ERROR, MODEL_CALIBRATED_ERROR, close_runs, time_basis
 
     assert time_basis(get_gpu("H100-SXM")).error == DATASHEET_ERROR
     assert "datasheet" in time_basis(get_gpu("H100-SXM")).label
@@ -255,7 +255,7 @@ def test_plan_says_what_times_rest_on_and_which_it_cannot_order():
 
 
 def test_the_fixed_part_and_the_rate_split_through_a_short_and_a_full_step():
-    from meshfit.calibrate_tp import split_fixed
+    from meshfit.calibrate.tensor_parallel import split_fixed
 
     # t = 10 ms + FLOPs / 10 GFLOP/s at 1e8 and 1e10 FLOPs.
     rate, fixed = split_fixed((0.01 + 1e8 / 1e10, 1e8), (0.01 + 1e10 / 1e10, 1e10))

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from meshfit.cli import build_parser
+from meshfit.commands.main import build_parser
 
 pytestmark = pytest.mark.multiproc  # every test starts the command (and its ranks) as processes
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from meshfit import calibrate as calibrate_mod
-from meshfit.cli import main
+from meshfit.calibrate import measure as calibrate_mod
+from meshfit.commands.main import main
 from meshfit.data.files import _bpe_tokenizer, tokenizer_note
-from meshfit.paths import PathError, check_out_file, read_text
-from meshfit.planner.profile import HardwareProfile, Link, load_profile, save_profile
-from meshfit.units import MAX_BYTES, parse_bytes
+from meshfit.hardware.profile import HardwareProfile, Link, load_profile, save_profile
+from meshfit.util.paths import PathError, check_out_file, read_text
+from meshfit.util.units import MAX_BYTES, parse_bytes
 
 PLAN = ["plan", "--model", "tiny", "--gpus-per-node", "2", "--seq-len", "64", "--global-batch", "8",
         "--precision", "fp32", "--layout", "dp_shard=2"]
@@ -109,7 +109,7 @@ def test_a_measurement_that_cannot_be_saved_is_kept(tmp_path, monkeypatch, capsy
             raise FileNotFoundError(2, "No such file or directory")
         real_save(profile, path)
 
-    monkeypatch.setattr("meshfit.planner.profile.save_profile", save)
+    monkeypatch.setattr("meshfit.hardware.profile.save_profile", save)
     assert main(["calibrate", "--out", str(out)]) == 1
     captured = capsys.readouterr()
     kept = list((tmp_path / "tmp").glob("meshfit-hardware-*.json"))

@@ -6,15 +6,15 @@ import math
 
 import pytest
 
+from meshfit.hardware.catalog import Cluster, cpu_device
+from meshfit.hardware.profile import HardwareProfile, Link, load_profile, save_profile
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models.config import num_params
 from meshfit.models.presets import get_preset
-from meshfit.planner.comm_time import along_points
-from meshfit.planner.hardware import Cluster, cpu_device
-from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.op_count import COMPILED_PER_HEAVY, op_counts, rank_ops
-from meshfit.planner.profile import HardwareProfile, Link, load_profile, save_profile
-from meshfit.planner.time_basis import time_basis
-from meshfit.planner.timing import step_time
+from meshfit.planner.timing.basis import time_basis
+from meshfit.planner.timing.comms import along_points
+from meshfit.planner.timing.estimate import step_time
+from meshfit.planner.timing.op_count import COMPILED_PER_HEAVY, op_counts, rank_ops
 
 TINY = get_preset("tiny")
 WORK = Workload(seq_len=64, global_batch=8, precision="fp32")
@@ -108,7 +108,7 @@ def test_the_time_model_takes_a_collective_s_time_from_the_measured_sizes():
 
 
 def test_a_group_size_not_measured_scales_the_measured_times_by_the_lines():
-    from meshfit.planner.comm_time import collective_s, ring_terms
+    from meshfit.planner.timing.comms import collective_s, ring_terms
 
     prof = _profile({2: {"all_gather": {1000: 2e-4, 10**7: 2e-3}}})  # 10**5 halfway in log
     cluster = Cluster(cpu_device(2**30, prof), nodes=1, gpus_per_node=4)
@@ -158,7 +158,7 @@ def test_plan_says_whether_collectives_and_compiled_launches_are_measured():
 
 
 def test_launches_are_counted_in_generated_code():
-    from meshfit.calibrate_compile import count_launches
+    from meshfit.calibrate.compiled_launches import count_launches
 
     source = '''
 cpp_fused_add_0 = async_compile.cpp_pybinding(['const float*'], r\'\'\'

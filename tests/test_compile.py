@@ -11,17 +11,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from dist_jobs import parity_config, train_job
+
 from meshfit.config import ConfigError, load_config
+from meshfit.hardware.catalog import Cluster
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models.presets import get_preset
-from meshfit.planner.hardware import Cluster
-from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.planfile import plan_sections
-from meshfit.planner.timing import COMPILED_ELEMENTWISE, step_time
-from meshfit.testing import run_ranks
+from meshfit.planner.timing.estimate import COMPILED_ELEMENTWISE, step_time
 from meshfit.train.shape import resolve_run
 from meshfit.train.steady import steady_records
+from meshfit.util.ranks import run_ranks
 
 PARITY = 1e-5  # fp32
 
@@ -127,7 +127,7 @@ def test_planner_fuses_the_blocks_element_wise_work_and_plans_compiled_runs():
 
 
 def test_verify_refuses_compile_and_explain_says_what_it_buys(capsys):
-    from meshfit.cli import main
+    from meshfit.commands.main import main
 
     assert main(["verify", "--model", "tiny", "--compile", "--layout", "dp_shard=2,zero_stage=3"]) == 2
     err = capsys.readouterr().err

@@ -5,7 +5,7 @@ import pytest
 from meshfit.config import ConfigError, load_config
 from meshfit.parallel.dims import ParallelDims
 from meshfit.train.shape import resolve_run
-from meshfit.units import fmt_bytes, parse_bytes
+from meshfit.util.units import fmt_bytes, parse_bytes
 
 
 def test_units():

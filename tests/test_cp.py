@@ -4,14 +4,14 @@ import functools
 
 import pytest
 import torch
-
 from dist_jobs import PARITY_BASE, parity_config, train_job
+
 from meshfit.config import ConfigError, load_config
 from meshfit.models.layers import AttentionCore
 from meshfit.parallel.context_parallel import _global_order, local_positions, shard_sequence
-from meshfit.testing import run_ranks
 from meshfit.train.launch import launch
 from meshfit.train.shape import resolve_run
+from meshfit.util.ranks import run_ranks
 
 # RoPE, learned positions (untied: pipeline stages hold the embedding and the head apart)
 FAMILIES = {"llama": ["model.preset=tiny"], "gpt": ["model.preset=tiny-gpt", "model.tie_embeddings=false"]}
@@ -41,7 +41,7 @@ def _assert_parity(runs, family):
 
 
 # Every layout for Llama; for GPT the ones where its learned positions meet another split (all of them run
-# in benchmarks/parity_report.py).
+# in benchmarks/correctness/parity_report.py).
 CASES = [("llama", name) for name in LAYOUTS] + [("gpt", "cp2"), ("gpt", "cp2-pp2")]
 
 

@@ -1,9 +1,9 @@
 """DDP baseline: parity with a one-process run and the measured per-rank memory breakdown."""
 
 import pytest
-
 from dist_jobs import parity_config, train_job
-from meshfit.testing import run_ranks
+
+from meshfit.util.ranks import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 

@@ -6,17 +6,19 @@ import re
 import warnings
 
 import pytest
+from test_cli import meshfit
 
-from meshfit.charts import UNBUDGETED, bar_label, bar_note, memory_chart
-from meshfit.cli import main
+from meshfit.commands.main import main
 from meshfit.config import ConfigError
 from meshfit.data import MarkovSource
-from meshfit.demo import (DEMO_BUDGET, WIDTH, Entry, KeptWarnings, check_demo_args, demo_config, demo_trials,
-                          failure_line, loss_floor, parity_text, warning_logs)
-from meshfit.demo_compare import category_note
+from meshfit.demo.categories import category_note
+from meshfit.demo.chart import UNBUDGETED, bar_label, bar_note, memory_chart
+from meshfit.demo.run import check_demo_args, demo_trials, loss_floor
+from meshfit.demo.tables import WIDTH, parity_text
+from meshfit.demo.trial import DEMO_BUDGET, Entry, demo_config, failure_line
 from meshfit.train.launch import Outcome
-from meshfit.units import parse_bytes
-from test_cli import meshfit
+from meshfit.util.kept_warnings import KeptWarnings, warning_logs
+from meshfit.util.units import parse_bytes
 
 FAILING = ("ddp", "ddp-4x-batch", "zero1", "zero2")
 FITTING = ("zero3", "fsdp-ac", "tp", "pp", "3d")
@@ -239,7 +241,8 @@ def test_demo_warnings_go_to_the_log(tmp_path, capsys):
 def test_a_signal_ends_the_whole_demo(tmp_path, monkeypatch, capsys):
     """Ctrl-C (or SIGTERM) reaches the launcher of one layout's ranks; the demo ends there rather than going
     on with the next layout."""
-    import meshfit.demo as demo
+    import meshfit.demo.run as demo
+    import meshfit.demo.trial as trial
 
     started = []
 
@@ -247,7 +250,7 @@ def test_a_signal_ends_the_whole_demo(tmp_path, monkeypatch, capsys):
         started.append(run_dir.name)
         return Outcome(ok=False, signal="SIGINT")
 
-    monkeypatch.setattr(demo, "launch", stopped_launch)
+    monkeypatch.setattr(trial, "launch", stopped_launch)
     assert demo.run_demo(tmp_path / "d", nproc=2) == 130
     assert started == ["ddp"]  # neither the run without the budget nor the next layout started
     assert "stopped by SIGINT during ddp; no summary was written" in capsys.readouterr().out

@@ -9,10 +9,10 @@ from unittest import mock
 
 import pytest
 import torch
-
 from fake_cuda import devices, fake_cuda
+
 from meshfit.config import load_config
-from meshfit.planner.fake_world import fake_world
+from meshfit.dryrun.fake_world import fake_world
 
 CUDA = torch.device("cuda", 0)
 BASE = ["model.preset=tiny", "train.seq_len=32", "train.global_batch=2", "train.micro_batch=2",
@@ -87,7 +87,8 @@ def test_the_step_after_backward_mixes_no_devices_with_offloaded_states():
     after its backward."""
     import meshfit.models.init as init
     from meshfit.train.dist import RankEnv
-    from meshfit.train.trainer import _optimizer_step, build_run
+    from meshfit.train.run import build_run
+    from meshfit.train.trainer import _optimizer_step
 
     cfg = load_config(None, [*BASE, "parallel.zero_stage=3", "parallel.offload=true", "train.grad_clip=1.0"])
     env = RankEnv(rank=0, world_size=1, local_rank=0, device=CUDA)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from meshfit.train.launch import free_port
+from meshfit.util.ranks import free_port
 
 pytestmark = pytest.mark.multiproc
 

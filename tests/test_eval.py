@@ -8,15 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from dist_jobs import parity_config, resume_job
 from eval_jobs import layouts_job, untouched_job
+
 from meshfit.config import ConfigError, load_config
 from meshfit.data import MarkovSource, write_token_file
 from meshfit.data.heldout import SYNTHETIC_FIRST, held_out_batches, split_tokens
-from meshfit.testing import run_ranks
 from meshfit.train.metrics import tensorboard_scalars
 from meshfit.train.shape import resolve_run
+from meshfit.util.ranks import run_ranks
 
 EVAL = ["model.n_layers=4", "train.steps=6", "train.eval_every=2", "train.eval_batches=2"]
 
@@ -67,7 +67,7 @@ def test_held_out_settings_checked_before_ranks(tmp_path: Path) -> None:
 
 
 def test_bad_held_out_setting_is_one_error_line(tmp_path: Path, capsys) -> None:
-    from meshfit.cli import main
+    from meshfit.commands.main import main
 
     data = _tokens(tmp_path, "train.npy", 5000)
     code = main(["train", "--run-dir", str(tmp_path / "run"), "--set", "data.source=tokens", "--set",
@@ -207,8 +207,8 @@ def _run_dir(path: Path, val: dict[int, object]) -> Path:
 
 
 def test_show_has_a_val_loss_column_and_markers(tmp_path: Path, capsys, monkeypatch) -> None:
-    from meshfit import show as show_mod
-    from meshfit.cli import main
+    from meshfit.commands.main import main
+    from meshfit.runs import show as show_mod
 
     monkeypatch.chdir(tmp_path)  # short run names: the table keeps each row on one line
     _run_dir(tmp_path / "a", {2: 4.25, 4: 3.5})
@@ -229,7 +229,7 @@ def test_show_has_a_val_loss_column_and_markers(tmp_path: Path, capsys, monkeypa
 
 
 def test_show_names_a_val_loss_that_is_not_a_number(tmp_path: Path, capsys) -> None:
-    from meshfit.cli import main
+    from meshfit.commands.main import main
 
     run = _run_dir(tmp_path / "a", {2: "low"})
     assert main(["show", str(run)]) == 2

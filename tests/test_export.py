@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from dist_jobs import PARITY_BASE
-from meshfit.cli import main
+
+from meshfit.commands.main import main
 from meshfit.config import load_config
-from meshfit.export import find_checkpoint, read_model
 from meshfit.models import build_model
 from meshfit.models.hf import model_from_hf_config
 from meshfit.models.hf_weights import load_hf
+from meshfit.runs.export import find_checkpoint, read_model
 from meshfit.train.launch import launch
 
 

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from dist_jobs import PARITY_BASE, nonfinite_cases_job, parity_config, train_job
+
 from meshfit.config import ConfigError, load_config
-from meshfit.testing import run_ranks, snapshot
 from meshfit.train import checkpoint_store as store
 from meshfit.train.launch import launch
+from meshfit.util.ranks import run_ranks, snapshot
 
 # Every test here starts rank processes (torchrun launches, subprocesses or forked children).
 pytestmark = pytest.mark.multiproc

@@ -6,9 +6,9 @@ have had a collective in flight when each reducing backward returned.
 """
 
 import pytest
-
 from dist_jobs import parity_config
-from meshfit.testing import run_ranks
+
+from meshfit.util.ranks import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -18,14 +18,15 @@ def grads_job(cfg_dict, mode):
     flight as each micro-batch's backward returned. `mode`: "background" (the layout's default), "blocking"
     (every call blocks) or "gloo" (FSDP2's own call of gloo's reduce-scatter). None: not installed."""
     from meshfit.config import config_from_dict
+    from meshfit.train import run as run_module
     from meshfit.train import trainer
     from meshfit.train.dist import init_distributed
 
     if mode == "blocking":
-        trainer.reduces_in_background = lambda *args: False
+        run_module.reduces_in_background = lambda *args: False
     elif mode == "gloo":
-        trainer.host_reduce_scatter = lambda *args: None
-    run = trainer.build_run(config_from_dict(cfg_dict), init_distributed("cpu"), None)
+        run_module.host_reduce_scatter = lambda *args: None
+    run = run_module.build_run(config_from_dict(cfg_dict), init_distributed("cpu"), None)
     if mode != "gloo" and run.host_reduce is None:
         return None
     in_flight = []

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import meshfit.calibrate
-import meshfit.demo
+import meshfit.calibrate.measure
+import meshfit.demo.run
 import meshfit.train.launch
-from meshfit import capacity
-from meshfit.cli import main
-from meshfit.testing import RankFailed, run_ranks
+from meshfit.commands.main import main
+from meshfit.train import capacity
+from meshfit.util.ranks import RankFailed, run_ranks
 
 GIB = 2**30
 
@@ -32,8 +32,8 @@ def no_ranks(monkeypatch):
         raise Started
 
     monkeypatch.setattr(meshfit.train.launch, "_launch_local", started)
-    monkeypatch.setattr(meshfit.calibrate, "calibrate", started)
-    monkeypatch.setattr(meshfit.demo, "run_demo", started)
+    monkeypatch.setattr(meshfit.calibrate.measure, "calibrate", started)
+    monkeypatch.setattr(meshfit.demo.run, "run_demo", started)
     monkeypatch.setattr(capacity, "usable_cores", lambda: 2)
     monkeypatch.setattr(capacity, "available_memory", lambda: 20 * GIB)
 

@@ -45,8 +45,8 @@ def test_a_dry_run_stands_in_for_a_gpu():
 
 
 def test_verify_leaves_offloaded_shards_out():
-    from meshfit.planner.layout import Layout, Workload
-    from meshfit.planner.verify import verify_layout
+    from meshfit.dryrun.verify import verify_layout
+    from meshfit.layout.layout import Layout, Workload
 
     layout = Layout(dp_shard=2, zero_stage=3, offload=True, micro_batch=4)
     measured = verify_layout("tiny", layout, Workload(seq_len=32, global_batch=8, precision="fp32")).measured

@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch.distributed as dist
+from test_cli import meshfit
 
 from meshfit.memory import meter as meter_module
 from meshfit.memory.allocator import AllocatorTracker
 from meshfit.memory.meter import MemoryMeter, rank_tracker
-from test_cli import meshfit
 
 
 class _StubTracker:

@@ -409,7 +409,7 @@ def test_padded_vocabulary_keeps_the_real_rows_and_masks_the_padding():
 
     from meshfit.models.config import pad_vocab_for_tp
     from meshfit.models.init import strip_padding
-    from meshfit.train.loss import lm_loss
+    from meshfit.models.loss import lm_loss
 
     cfg = dataclasses.replace(get_preset("tiny-gpt"), vocab_size=257)
     padded = pad_vocab_for_tp(cfg, 4)

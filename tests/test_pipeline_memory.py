@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from dist_jobs import parity_config, peaks_job
+
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models.presets import get_preset
 from meshfit.parallel.pipeline_memory import wait_points
-from meshfit.planner.estimate import estimate_memory
-from meshfit.planner.layout import Layout, Workload
-from meshfit.testing import run_ranks
+from meshfit.planner.memory.estimate import estimate_memory
+from meshfit.util.ranks import run_ranks
 
 
 def _torch_order(name: str, pp: int, m: int) -> dict[int, list]:

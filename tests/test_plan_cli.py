@@ -4,22 +4,22 @@ import json
 from pathlib import Path
 
 import pytest
+from test_cli import meshfit
 
+from meshfit.hardware.catalog import Cluster
+from meshfit.layout.layout import Layout, Workload, parse_layout
+from meshfit.layout.recompute import AC_MODES
 from meshfit.models.hf import model_from_hf_config
 from meshfit.models.presets import get_preset
-from meshfit.parallel.recompute import AC_MODES
-from meshfit.planner.estimate import usable_bytes
-from meshfit.planner.hardware import Cluster
-from meshfit.planner.layout import Layout, Workload, parse_layout
+from meshfit.planner.memory.estimate import usable_bytes
 from meshfit.planner.search import evaluate, search
-from test_cli import meshfit
 
 
 def in_process(capsys):
     """Call `meshfit ARGS` as `main(ARGS)` in this process; returns what subprocess.run would."""
     from types import SimpleNamespace
 
-    from meshfit.cli import main
+    from meshfit.commands.main import main
 
     def run(*args):
         code = main(list(args))
@@ -175,7 +175,7 @@ def test_the_cli_and_the_planner_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, meshfit.cli, meshfit.planner.search, meshfit.planner.explain, meshfit.models; "
+    code = ("import sys, meshfit.commands.main, meshfit.planner.search, meshfit.planner.explain, meshfit.models; "
             "print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -185,8 +185,8 @@ def test_the_cli_and_the_planner_import_without_torch():
 def test_the_run_header_names_the_model_a_plan_file_describes():
     """A plan file spells every dimension out; the header still names the preset it has the shape of."""
     from meshfit.config import load_config
+    from meshfit.layout.layout import Layout, Workload
     from meshfit.models import get_preset
-    from meshfit.planner.layout import Layout, Workload
     from meshfit.planner.planfile import plan_sections
     from meshfit.train.launch import banner
     from meshfit.train.shape import resolve_run

@@ -1,17 +1,17 @@
 """The planner's per-rank peak within 5% of `meshfit verify` (the real code, fake tensors) per layout kind.
 
 Real multi-process CPU runs are compared in tests/test_demo.py (every demo layout within 10%) and in
-benchmarks/plan_accuracy.py (the table in docs/planner.md).
+benchmarks/planner/plan_accuracy.py (the table in docs/planner.md).
 """
 
 import dataclasses
 
 import pytest
 
+from meshfit.dryrun.verify import verify_layout
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models.presets import get_preset
-from meshfit.planner.estimate import estimate_memory
-from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.verify import verify_layout
+from meshfit.planner.memory.estimate import estimate_memory
 
 # The `small` preset with a larger vocabulary, so that the logits weigh as they do in real models.
 MODEL = dataclasses.replace(get_preset("small"), vocab_size=8192, max_seq_len=1024)

@@ -7,20 +7,20 @@ import dataclasses
 
 import pytest
 
+from meshfit.commands.plan_flags import PlanInputError, check_layout
+from meshfit.hardware.catalog import Cluster
+from meshfit.layout.layout import Layout, Workload, parse_layout
 from meshfit.models import get_preset
-from meshfit.plan_cli import PlanInputError, check_layout
-from meshfit.planner.activations import (
+from meshfit.planner.explain import explain
+from meshfit.planner.memory.activations import (
     block_activation_bytes,
     checkpointed_block_bytes,
     cp_keys_per_query,
     gathered_kv_bytes,
 )
-from meshfit.planner.estimate import estimate_memory
-from meshfit.planner.explain import explain
-from meshfit.planner.hardware import Cluster
-from meshfit.planner.layout import Layout, Workload, parse_layout
+from meshfit.planner.memory.estimate import estimate_memory
 from meshfit.planner.search import MIN_CP_TOKENS, enumerate_layouts, search
-from meshfit.planner.timing import step_time
+from meshfit.planner.timing.estimate import step_time
 
 SMALL = get_preset("small")
 LLAMA8B = get_preset("llama3-8b")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models import build_model
 from meshfit.models.config import ModelConfig
 from meshfit.models.presets import get_preset
-from meshfit.planner.activations import block_activation_bytes, block_weight_params
-from meshfit.planner.estimate import estimate_memory
-from meshfit.planner.layout import Layout, Workload
+from meshfit.planner.memory.activations import block_activation_bytes, block_weight_params
+from meshfit.planner.memory.estimate import estimate_memory
 
 
 def _tracked_forward_bytes(cfg: ModelConfig, mode: str, batch: int, seq: int) -> int:
@@ -150,11 +150,11 @@ def test_cpu_plans_count_the_reduce_scatter_in_flight():
 
 
 def test_selective_recompute_counts_each_stages_blocks_as_the_trainer_checkpoints_them():
-    # Every second block of each stage is checkpointed (parallel/recompute.py): a one-block stage keeps its
+    # Every second block of each stage is checkpointed (layout/recompute.py): a one-block stage keeps its
     # block, so zbv on the four-layer model (one block per stage) plans exactly as without recompute.
-    from meshfit.planner.hardware import Cluster
-    from meshfit.planner.shares import layout_shares
-    from meshfit.planner.timing import step_time
+    from meshfit.hardware.catalog import Cluster
+    from meshfit.planner.memory.shares import layout_shares
+    from meshfit.planner.timing.estimate import step_time
 
     wl = Workload(seq_len=512, global_batch=4, precision="fp32")
     zbv = Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1)
@@ -172,8 +172,8 @@ def test_selective_recompute_counts_each_stages_blocks_as_the_trainer_checkpoint
 def test_the_weight_gradient_step_comes_after_a_backward_so_gradients_exist():
     # zbv at m = p: rank 1 holds every micro-batch before its first backward (no gradient there), but its
     # weight-gradient steps follow backwards (the dry run: the stage's gradients exist at that peak).
-    from meshfit.planner.estimate import _phases
-    from meshfit.planner.shares import layout_shares
+    from meshfit.planner.memory.estimate import _phases
+    from meshfit.planner.memory.shares import layout_shares
 
     small, wl = get_preset("small"), Workload(seq_len=256, global_batch=2, precision="fp32")
     layout = Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=1, activation_checkpointing="full")
@@ -185,7 +185,7 @@ def test_the_weight_gradient_step_comes_after_a_backward_so_gradients_exist():
 def test_an_interleaved_rank_counts_only_the_gradients_of_stages_that_ran_a_backward():
     # PP 2, v 2, m = p, rank 0: its last stage runs both backwards (4 then 3 micro-batches in flight) before
     # its first stage starts (2, with the last stage's gradients); the heaviest start depends on the sizes.
-    from meshfit.planner.phase_terms import interleaved_peak
+    from meshfit.planner.memory.phase_terms import interleaved_peak
 
     assert interleaved_peak(2, 0, 2, 2, per_stage=1.0, grads=1.0) == (4, 0.0)
     assert interleaved_peak(2, 0, 2, 2, per_stage=1.0, grads=4.0) == (3, 2.0)

@@ -6,12 +6,10 @@ from fractions import Fraction
 
 import pytest
 
-from meshfit.planner import (
-    GPUS,
-    Cluster,
+from meshfit.hardware.catalog import GPUS, Cluster, get_gpu
+from meshfit.planner.memory.formulas import (
     activation_bytes_per_layer,
     activation_terms_per_layer,
-    get_gpu,
     model_state_bytes,
     pipeline_in_flight_microbatches,
 )
@@ -300,7 +298,7 @@ def test_rank_actions_follow_torch_op_order():
     # The order the pipelined ZeRO-3 phases walk: torch's interleaved 1F1B op list, stage by stage.
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    from meshfit.planner.memory import rank_actions
+    from meshfit.planner.memory.formulas import rank_actions
 
     for pp in (2, 3, 4, 8):
         for v in (2, 3, 4):
@@ -313,8 +311,8 @@ def test_rank_actions_follow_torch_op_order():
 
 def test_rank_moments_walk_only_as_far_as_the_states_differ():
     # The planner walks a shortened order; its distinct moments must be those of the whole step's order.
-    from meshfit.planner.memory import rank_actions
-    from meshfit.planner.phase_terms import rank_moments, walk_moments
+    from meshfit.planner.memory.formulas import rank_actions
+    from meshfit.planner.memory.phase_terms import rank_moments, walk_moments
 
     for pp in (2, 3, 4):
         for v in (1, 2, 3):
@@ -327,7 +325,7 @@ def test_rank_moments_walk_only_as_far_as_the_states_differ():
 
 
 def test_rank_actions_one_stage_is_the_1f1b_shape():
-    from meshfit.planner.memory import rank_actions
+    from meshfit.planner.memory.formulas import rank_actions
 
     assert rank_actions(4, 1, 5, 1, warmup=3) == (("F", 0),) * 3 + (("B", 0), ("F", 0)) * 2 + (("B", 0),) * 3
     # GPipe: every forward first.
@@ -356,7 +354,7 @@ def _split_frontier(ops):
 
 def test_zbv_split_backward_states_follow_torch_op_order():
     # The closed form against torch's op lists.
-    from meshfit.planner.memory import split_backward_states
+    from meshfit.planner.memory.formulas import split_backward_states
 
     for pp in range(1, 9):
         for m in range(1, 3 * pp + 1):
@@ -371,7 +369,7 @@ def test_zbv_split_backward_states_follow_torch_op_order():
 
 @pytest.mark.parametrize("schedule, virtuals, first_m", [("interleaved-zb", (2, 3, 4), 1), ("dualpipev", (2,), 2)])
 def test_other_split_backward_states_follow_torch_op_order(schedule, virtuals, first_m):
-    from meshfit.planner.memory import split_backward_states
+    from meshfit.planner.memory.formulas import split_backward_states
 
     for pp in range(2, 6):
         for v in virtuals:
@@ -387,7 +385,7 @@ def test_zbv_plans_import_no_torch():
     import sys
 
     code = ("import sys; from meshfit.models.presets import get_preset; "
-            "from meshfit.planner.estimate import estimate_memory; from meshfit.planner.layout import Layout, "
+            "from meshfit.planner.memory.estimate import estimate_memory; from meshfit.layout.layout import Layout, "
             "Workload; estimate_memory(get_preset('llama3-8b'), Layout(pp=4, schedule='zbv', virtual_stages=2), "
             "Workload(seq_len=2048, global_batch=5)); print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -397,7 +395,7 @@ def test_zbv_plans_import_no_torch():
 
 def test_cuda_device_names_map_to_the_catalog():
     # MFU on a real GPU reads the same datasheet peak the planner uses.
-    from meshfit.planner.hardware import gpu_for_device
+    from meshfit.hardware.catalog import gpu_for_device
 
     assert gpu_for_device("NVIDIA H100 80GB HBM3").name == "H100-SXM"
     assert gpu_for_device("NVIDIA H100 PCIe").name == "H100-PCIe"
@@ -407,7 +405,7 @@ def test_cuda_device_names_map_to_the_catalog():
 
 
 def test_cached_layer_activations_still_validate_after_an_equal_valid_call():
-    from meshfit.planner.memory import activation_bytes_per_layer
+    from meshfit.planner.memory.formulas import activation_bytes_per_layer
 
     kw = dict(s=8, b=1, h=16, a=2)
     activation_bytes_per_layer(t=1, **kw)  # cached: an equal but invalid argument must not hit this entry

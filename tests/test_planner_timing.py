@@ -4,14 +4,14 @@ from dataclasses import replace
 
 import pytest
 
+from meshfit.hardware.catalog import Cluster
+from meshfit.layout.layout import Layout, Workload
+from meshfit.layout.stage_split import balanced_split, head_flops, layer_flops
 from meshfit.models.config import flops_per_token
 from meshfit.models.presets import PRESETS, get_preset
 from meshfit.models.traffic import elementwise_traffic
-from meshfit.parallel.pipeline import StagePlan, plan_stages
-from meshfit.parallel.split import balanced_split, head_flops, layer_flops
-from meshfit.planner.hardware import Cluster
-from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.timing import (
+from meshfit.parallel.pipeline_parallel import StagePlan, plan_stages
+from meshfit.planner.timing.estimate import (
     EAGER_ATTENTION_SLOWDOWN,
     EFFICIENCY,
     HBM_EFFICIENCY,
@@ -163,7 +163,7 @@ def test_recompute_re_runs_the_checkpointed_blocks_forward():
 
 
 def test_split_backward_schedules_re_run_recomputed_blocks_per_weight_group():
-    from meshfit.planner.timing import SPLIT_RERUNS
+    from meshfit.planner.timing.estimate import SPLIT_RERUNS
 
     def recompute(schedule, ac, virtual=2):
         return _time(Layout(dp_shard=2, pp=4, zero_stage=1, schedule=schedule, virtual_stages=virtual,
@@ -344,7 +344,7 @@ def test_rejects_a_layout_for_another_world_size():
 
 
 def test_operator_counts_follow_recompute_and_compilation():
-    from meshfit.planner.op_count import op_counts, rank_ops
+    from meshfit.planner.timing.op_count import op_counts, rank_ops
 
     small = get_preset("small")
     none, full, op = (op_counts(small, p) for p in ("none", "full", "op"))

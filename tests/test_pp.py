@@ -3,12 +3,12 @@
 import functools
 
 import pytest
-
 from dist_jobs import parity_config, train_job
+
 from meshfit.config import ConfigError, load_config
-from meshfit.parallel.pipeline import SCHEDULES, balanced_split
-from meshfit.testing import run_ranks
+from meshfit.parallel.pipeline_parallel import SCHEDULES, balanced_split
 from meshfit.train.shape import resolve_run
+from meshfit.util.ranks import run_ranks
 
 FOUR_LAYERS = "model.n_layers=4"  # pp × virtual stages = 4 needs four blocks
 
@@ -132,13 +132,13 @@ def test_split_backward_schedules_refuse_the_data_parallelism_that_loses_gradien
                                               ("zbv", "gpt"), ("dualpipev", "gpt")])
 def test_split_backward_re_runs_recomputed_blocks_as_the_plan_counts(schedule, family, monkeypatch):
     # torch's weight-gradient step re-runs a recomputed block once per group of weights it reduces; the
-    # step-time plan counts those forwards (planner/timing.py SPLIT_RERUNS). Counted on the dry run.
+    # step-time plan counts those forwards (planner/timing/estimate.py SPLIT_RERUNS). Counted on the dry run.
     import dataclasses
 
+    from meshfit.dryrun.verify import verify_layout
+    from meshfit.layout.layout import Layout, Workload
     from meshfit.models import get_preset, gpt, llama
-    from meshfit.planner.layout import Layout, Workload
-    from meshfit.planner.timing import SPLIT_RERUNS
-    from meshfit.planner.verify import verify_layout
+    from meshfit.planner.timing.estimate import SPLIT_RERUNS
 
     calls = [0]
     block = llama.LlamaBlock if family == "llama" else gpt.GPTBlock
@@ -164,10 +164,10 @@ def test_split_backward_re_runs_recomputed_blocks_as_the_plan_counts(schedule, f
 
 
 def test_search_offers_no_split_backward_schedule_that_loses_gradients():
+    from meshfit.hardware.catalog import Cluster, get_gpu
+    from meshfit.layout.layout import Workload
+    from meshfit.layout.schedules import SPLIT_BACKWARD
     from meshfit.models import get_preset
-    from meshfit.parallel.schedules import SPLIT_BACKWARD
-    from meshfit.planner.hardware import Cluster, get_gpu
-    from meshfit.planner.layout import Workload
     from meshfit.planner.search import enumerate_layouts
 
     for precision in ("fp32", "mixed"):
@@ -184,7 +184,7 @@ def test_search_offers_no_split_backward_schedule_that_loses_gradients():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
 def test_tensor_parallel_plan_of_a_stage_names_only_its_modules(preset):
     from meshfit.models import build_model, get_preset
-    from meshfit.parallel.pipeline import cut_stage
+    from meshfit.parallel.pipeline_parallel import cut_stage
     from meshfit.parallel.tensor_parallel import tp_plan
 
     cfg = get_preset(preset)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshfit.config import load_config
 from meshfit.models import build_model, init_weights
 from meshfit.models.layers import RMSNorm
-from meshfit.parallel.activation import apply_activation_checkpointing
+from meshfit.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshfit.train.shape import resolve_run
 
 aten = torch.ops.aten

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_jobs import PARITY_BASE, parity_config, resume_layouts_job
+
 from meshfit.config import ConfigError, load_config
-from meshfit.export import read_model
-from meshfit.testing import run_ranks, snapshot
+from meshfit.runs.export import read_model
 from meshfit.train.launch import launch
 from meshfit.train.optim import lr_factor
-from meshfit.units import fmt_bytes
+from meshfit.util.ranks import run_ranks, snapshot
+from meshfit.util.units import fmt_bytes
 
 LAYOUTS = {
     "ddp": ["parallel.dp_replicate=2"],

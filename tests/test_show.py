@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshfit import show as show_mod
-from meshfit.cli import main
+from meshfit.commands.main import main
 from meshfit.config import load_config
+from meshfit.runs import show as show_mod
 from meshfit.train.metrics import MetricsLog
-from meshfit.units import fmt_bytes
+from meshfit.util.units import fmt_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

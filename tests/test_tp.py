@@ -3,11 +3,11 @@
 import functools
 
 import pytest
-
 from dist_jobs import parity_config, train_job
+
 from meshfit.config import ConfigError, load_config
-from meshfit.testing import run_ranks
 from meshfit.train.shape import resolve_run
+from meshfit.util.ranks import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -77,7 +77,7 @@ def test_hsdp_with_tp_eight_ranks_parity():
 
 
 # gpt3-125m's vocabulary, 50,257, is odd: tp = 2 pads it to 50,258 rows. Two of its twelve layers keep the
-# test short (benchmarks/parity_report.py runs the whole model).
+# test short (benchmarks/correctness/parity_report.py runs the whole model).
 GPT_ODD_VOCAB = ["model.preset=gpt3-125m", "model.n_layers=2", "train.global_batch=4", "train.steps=4",
                  "train.lr=6e-4"]
 

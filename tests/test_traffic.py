@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from meshfit.models import ModelConfig, build_model
+from meshfit.models.loss import lm_loss
 from meshfit.models.traffic import elementwise_traffic
-from meshfit.train.loss import lm_loss
 
 NOT_ELEMENTWISE = {
     "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",

@@ -4,16 +4,16 @@ import dataclasses
 
 import pytest
 import torch
-
 from dist_jobs import parity_config, train_job
+
 from meshfit.config import load_config
+from meshfit.dryrun.verify import verify_layout
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models import build_model
 from meshfit.parallel.data_parallel import precision_policy
-from meshfit.parallel.units import sub_units, unit_sizes
-from meshfit.planner.estimate import estimate_memory
-from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.verify import verify_layout
-from meshfit.testing import run_ranks
+from meshfit.parallel.fsdp_units import sub_units, unit_sizes
+from meshfit.planner.memory.estimate import estimate_memory
+from meshfit.util.ranks import run_ranks
 
 
 def _block(preset: str):
@@ -94,8 +94,8 @@ def test_the_split_blocks_plan_agrees_with_the_dry_run(reduce_dtype):
 
 
 def test_explain_says_what_units_and_the_reduce_dtype_are_worth():
+    from meshfit.hardware.catalog import Cluster, get_gpu
     from meshfit.planner.explain import explain
-    from meshfit.planner.hardware import Cluster, get_gpu
     from meshfit.planner.search import Plan, evaluate
 
     model, cluster = _wide_gpt(96), Cluster(get_gpu("A100-80GB"), nodes=64, gpus_per_node=8)
@@ -110,9 +110,9 @@ def test_explain_says_what_units_and_the_reduce_dtype_are_worth():
 def test_explain_shows_a_pipelines_peak_does_not_follow_the_micro_batch_count():
     import re
 
+    from meshfit.hardware.catalog import Cluster, get_gpu
     from meshfit.models import get_preset
     from meshfit.planner.explain import explain
-    from meshfit.planner.hardware import Cluster, get_gpu
     from meshfit.planner.search import Plan, evaluate
 
     model, cluster = get_preset("llama3-70b"), Cluster(get_gpu("H100-SXM"), nodes=8, gpus_per_node=8)

@@ -1,7 +1,7 @@
 """`meshfit verify`'s engine: one-process dry runs of the real training code at the layout's world size.
 
 Every dry run here uses the `tiny` preset (about 0.1 MB of weights) so the file stays well under a minute.
-The large-model runs (Llama-3 8B at 64 ranks, 70B at 256) live in benchmarks/verify_scale.py.
+The large-model runs (Llama-3 8B at 64 ranks, 70B at 256) live in benchmarks/planner/verify_scale.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshfit.dryrun.verify import COMPONENTS, measured_ranks, verify_config, verify_layout
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models import get_preset, num_params
-from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.verify import COMPONENTS, measured_ranks, verify_config, verify_layout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,7 +87,7 @@ def test_sequence_parallelism_keeps_only_the_shard_of_gathered_inputs(monkeypatc
 
 
 def test_context_parallelism_shards_states_over_cp_and_keeps_a_part_of_each_sequence():
-    from meshfit.planner.estimate import estimate_memory
+    from meshfit.planner.memory.estimate import estimate_memory
 
     work = dataclasses.replace(FP32, seq_len=256, global_batch=2)
     over_cp = verify_layout("tiny", Layout(cp=2, zero_stage=3), work)
@@ -144,7 +144,8 @@ def test_pipeline_ranks_of_a_3d_layout_run_one_after_another_in_one_process():
 def _real_single_process_peaks(cfg, steps: int) -> list[int]:
     """The same config trained for real (gloo, one rank) through build_run and measured_step."""
     from meshfit.train.dist import RankEnv
-    from meshfit.train.trainer import build_run, measured_step
+    from meshfit.train.run import build_run
+    from meshfit.train.trainer import measured_step
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshfit.testing import run_ranks
+from meshfit.util.ranks import run_ranks
 
 
 def _vote_job(counted: bool) -> dict:

@@ -7,9 +7,9 @@ Memory: the measured per-rank bytes shrink as each stage promises, at N = 2 and 
 import functools
 
 import pytest
-
 from dist_jobs import parity_config, stash_job, train_job
-from meshfit.testing import RankFailed, run_ranks
+
+from meshfit.util.ranks import RankFailed, run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 

@@ -11,7 +11,7 @@ import sys
 
 def run() -> None:
     try:
-        from meshfit.cli import main
+        from meshfit.commands.main import main
 
         code = main()
     except KeyboardInterrupt:

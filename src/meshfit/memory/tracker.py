@@ -19,7 +19,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _Update
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshfit.units import fmt_bytes
+from meshfit.util.units import fmt_bytes
 
 # How torch's reference types (MemTracker's and FSDPMemTracker's names) fold into meshfit's categories.
 _CATEGORIES = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshfit.jsonfile import read_json_object
 from meshfit.models.config import ModelConfig
+from meshfit.util.jsonfile import read_json_object
 
 # model_type values whose architecture is meshfit's Llama block (RMSNorm, RoPE, SwiGLU, GQA, no biases).
 LLAMA_TYPES = ("llama", "mistral")

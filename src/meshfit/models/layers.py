@@ -77,7 +77,7 @@ class Dropout(nn.Dropout):
 
 
 class RMSNorm(nn.RMSNorm):
-    # False inside a block that is recomputed as a whole or op by op (parallel/activation.py): the
+    # False inside a block that is recomputed as a whole or op by op (parallel/activation_checkpoint.py): the
     # block's own recompute already keeps none of the norm's intermediates, and a checkpoint of its own
     # would run the norm a third time and add Python hooks to every call.
     recompute_alone = True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshfit.models.config import ModelConfig
-from meshfit.names import did_you_mean
+from meshfit.util.did_you_mean import did_you_mean
 
 
 def _llama3(dim: int, n_layers: int, n_heads: int, ffn_hidden: int, tied: bool) -> ModelConfig:

@@ -3,7 +3,7 @@
 Matmuls and the attention kernel are compute-bound and counted in FLOPs (``flops_per_token``); everything
 else a block runs (norms, rotary embeddings, activation functions, residual adds, dropout, dtype casts, the
 loss's softmax) is memory-bound: its time is the bytes it reads and writes over the memory bandwidth. This
-module counts those bytes for the code in ``llama.py``, ``gpt.py``, ``layers.py`` and ``train/loss.py``, one
+module counts those bytes for the code in ``llama.py``, ``gpt.py``, ``layers.py`` and ``models/loss.py``, one
 kernel per torch operator as eager mode runs them, except norms, counted as the single fused kernel torch
 runs on GPUs (read the input, write the output; backward reads input and output gradient, writes the input
 gradient). Per operator, with ``c`` bytes per compute value:

@@ -18,13 +18,13 @@ import contextlib
 import torch
 from torch import nn
 
-from meshfit.parallel.units import sub_units
+from meshfit.parallel.fsdp_units import sub_units
 
 
 def apply_compile(model: nn.Module, max_unit_params: int | None = None) -> int:
     """Compile every block of ``model.layers`` in place; returns how many modules were compiled.
 
-    A block that FSDP shards as smaller units (parallel/units.py) is compiled unit by unit instead: dynamo
+    A block that FSDP shards as smaller units (parallel/fsdp_units.py) is compiled unit by unit instead: dynamo
     cannot trace into an FSDP unit nested inside a compiled module. Units that are one of torch's own
     modules (a lone projection: one matmul, nothing to fuse) and the code between the units (norms,
     residual adds) stay eager."""

@@ -32,10 +32,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from meshfit.layout.data_parallel_kind import stashes_gradients
 from meshfit.parallel.dims import Meshes, ParallelDims
-from meshfit.parallel.kinds import stashes_gradients
-from meshfit.parallel.units import sub_units
-
+from meshfit.parallel.fsdp_units import sub_units
 
 # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers (which still syncs buffers once, at
 # construction, with the parameters); earlier versions know only broadcast_buffers.
@@ -86,7 +85,7 @@ def precision_policy(stage: int, mixed_precision: bool, reduce_dtype: str = "fp3
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precision: bool, offload: bool,
                reduce_dtype: str = "fp32", max_unit_params: int | None = None) -> None:
     """fully_shard each transformer block (as smaller units when it holds more than `max_unit_params`
-    parameters: parallel/units.py), then the root (embeddings, final norm, head), on meta."""
+    parameters: parallel/fsdp_units.py), then the root (embeddings, final norm, head), on meta."""
     # Pinned host memory needs an accelerator; on a CPU-only build plain memory is the host memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     # Stage 0 (replicas of tensor-parallel weights): the gathered compute copies are freed after each

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshfit.parallel.rules import data_parallel_rest
+from meshfit.layout.rules import data_parallel_rest
 
 # Outer to inner: pipeline stages span nodes, tensor parallelism stays on the fastest links, context
 # parallelism (a collective per layer) next to it.

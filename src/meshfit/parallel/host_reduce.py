@@ -28,7 +28,7 @@ Elsewhere every call blocks.
 
 Memory: the chunks received take a buffer the size of the unit's input (gloo's own call copies its input
 too). In the background, a unit's input, chunks and shard stay until the next unit's reduce-scatter starts,
-through the next block's backward; CPU plans count both (planner/estimate.py).
+through the next block's backward; CPU plans count both (planner/memory/estimate.py).
 """
 
 from __future__ import annotations

@@ -17,13 +17,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfit.config import ParallelSection
+from meshfit.layout.data_parallel_kind import data_parallel_kind
 from meshfit.models import ModelConfig, init_weights
-from meshfit.parallel.activation import apply_activation_checkpointing, keeps_block_graph
+from meshfit.parallel.activation_checkpoint import apply_activation_checkpointing, keeps_block_graph
 from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.context_parallel import apply_context_parallel
 from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
-from meshfit.parallel.kinds import data_parallel_kind
 from meshfit.parallel.sp_regather import regather_in_backward
 from meshfit.parallel.tensor_parallel import apply_tensor_parallel, gathered_input_regions
 

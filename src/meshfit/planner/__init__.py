@@ -1,34 +1,6 @@
-"""Planning a layout before renting the cluster: hardware catalog and analytic per-rank memory.
+"""Planning a layout before renting the cluster: the search over layouts and its explanation, on top of
+the per-rank memory model (`memory/`) and the step-time model (`timing/`).
 
-Pure arithmetic on plain numbers and dataclasses (no torch import), so it runs anywhere and can reason
-about models far too large to build.
+Pure arithmetic on plain numbers and dataclasses (no torch import at module level), so it runs anywhere and
+can reason about models far too large to build; it reaches parallel/ and the models only inside functions.
 """
-
-from __future__ import annotations
-
-from meshfit.planner.hardware import GPU, GPUS, Cluster, get_gpu
-from meshfit.planner.memory import (
-    OPTIMIZERS,
-    PRECISIONS,
-    RECOMPUTE,
-    SCHEDULES,
-    activation_bytes_per_layer,
-    activation_terms_per_layer,
-    model_state_bytes,
-    pipeline_in_flight_microbatches,
-)
-
-__all__ = [
-    "GPU",
-    "GPUS",
-    "OPTIMIZERS",
-    "PRECISIONS",
-    "RECOMPUTE",
-    "SCHEDULES",
-    "Cluster",
-    "activation_bytes_per_layer",
-    "activation_terms_per_layer",
-    "get_gpu",
-    "model_state_bytes",
-    "pipeline_in_flight_microbatches",
-]

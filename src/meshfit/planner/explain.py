@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshfit.hardware.catalog import device_noun, is_cpu
+from meshfit.layout.layout import Layout
+from meshfit.layout.precision import state_bytes
 from meshfit.models.config import num_params
-from meshfit.planner.estimate import MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.explain_footprint import footprint_lines
-from meshfit.planner.hardware import device_noun, is_cpu
-from meshfit.planner.layout import Layout
-from meshfit.planner.precision import state_bytes
+from meshfit.planner.memory.estimate import MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.search import Candidate, Plan
-from meshfit.units import fmt_bytes, fmt_count, fmt_duration
-
+from meshfit.util.units import fmt_bytes, fmt_count, fmt_duration
 
 
 def _parts(m: MemoryEstimate) -> str:
@@ -222,7 +221,7 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
 
 def _compile_line(plan: Plan, best: Candidate) -> str:
     """What train.compile buys the recommended layout in the time model: fused element-wise kernels."""
-    from meshfit.planner.timing import COMPILED_ELEMENTWISE, step_time
+    from meshfit.planner.timing.estimate import COMPILED_ELEMENTWISE, step_time
 
     other = dataclasses.replace(plan.workload, compiled=not plan.workload.compiled)
     flipped = step_time(plan.model, best.layout, other, plan.cluster)

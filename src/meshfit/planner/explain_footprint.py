@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshfit.planner.estimate import MemoryEstimate, estimate_memory
+from meshfit.planner.memory.estimate import MemoryEstimate, estimate_memory
 from meshfit.planner.search import Candidate, Plan, backend
-from meshfit.units import fmt_bytes
+from meshfit.util.units import fmt_bytes
 
 _WHOLE_BLOCKS = 10**15  # max_unit_params that never splits a block
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshfit.jsonfile import read_json_object
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models.config import ModelConfig
-from meshfit.planner.layout import Layout, Workload
 from meshfit.planner.search import Candidate, Plan
+from meshfit.util.jsonfile import read_json_object
 
 FORMAT = "meshfit-plan/1"
 # ModelConfig fields the config's model section accepts (all of them).

@@ -12,16 +12,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshfit.hardware.catalog import CPU, Cluster
+from meshfit.layout.layout import Layout, Workload
+from meshfit.layout.recompute import AC_MODES
+from meshfit.layout.schedules import (
+    SCHEDULES,
+    fixed_virtual_stages,
+    split_backward_error,
+    split_backward_recompute_error,
+)
 from meshfit.models.config import ModelConfig, num_params
-from meshfit.planner.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
-from meshfit.planner.hardware import CPU, Cluster
-from meshfit.parallel.schedules import (SCHEDULES, fixed_virtual_stages, split_backward_error,
-                                       split_backward_recompute_error)
-from meshfit.parallel.recompute import AC_MODES
-from meshfit.planner.layout import Layout, Workload
-from meshfit.planner.timing import StepTime, step_time
-from meshfit.planner.time_basis import time_basis
-from meshfit.units import fmt_bytes
+from meshfit.planner.memory.estimate import COMPONENTS, MemoryEstimate, estimate_memory, usable_bytes
+from meshfit.planner.timing.basis import time_basis
+from meshfit.planner.timing.estimate import StepTime, step_time
+from meshfit.util.units import fmt_bytes
 
 # Fewest tokens of a sequence a context-parallel rank is planned with. Context parallelism answers sequences
 # whose activations one rank cannot hold; cutting them shorter only adds per-block gathers, and the bound
@@ -174,9 +178,9 @@ def _layouts(model: ModelConfig, workload: Workload, dp: int, tp: int, cp: int, 
                                     for pipe in _pipelines(model, pp, local // mb)):
         for rep, shard, stage in _data_parallel(dp, cp):
             if stage == 0 and cp > 1 and (tp > 1 or workload.precision != "fp32"):
-                continue  # replicas over cp ranks run as DDP only (parallel/rules.py)
+                continue  # replicas over cp ranks run as DDP only (layout/rules.py)
             if split_backward_error(schedule, stage, rep * cp > 1, workload.precision != "fp32"):
-                continue  # (parallel/schedules.py)
+                continue  # (layout/schedules.py)
             for offload in ((False, True) if stage >= 2 and offloads else (False,)):
                 if shard * cp == 1 and stage == 3 and not offload:
                     continue

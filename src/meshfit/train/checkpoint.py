@@ -29,7 +29,7 @@ from meshfit.train import checkpoint_store as store
 from meshfit.train.checkpoint_store import CheckpointError
 from meshfit.train.optim import continue_schedule
 from meshfit.train.preflight import SCHEDULE_KEYS, SHAPE_KEYS, model_differences
-from meshfit.units import fmt_bytes
+from meshfit.util.units import fmt_bytes
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # A pipeline rank's model is a ModuleList of its stages: names start with the stage's index in that list.

@@ -31,12 +31,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshfit.parallel.schedules import v_shaped
-from meshfit.train.loss import lm_loss
+from meshfit.layout.schedules import v_shaped
+from meshfit.models.loss import lm_loss
 from meshfit.train.pipelined import pipeline_step
 
 if TYPE_CHECKING:  # the trainer imports this module
-    from meshfit.train.trainer import Run
+    from meshfit.train.run import Run
 
 
 def evaluation_due(run: Run) -> bool:

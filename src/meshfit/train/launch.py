@@ -12,23 +12,23 @@ import dataclasses
 import json
 import logging
 import os
-import socket
-import sys
-import uuid
 import signal
+import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 from meshfit.config import Config
-from meshfit.jsonfile import json_object_or_none
 from meshfit.train import checkpoint_store as store
-from meshfit.lifeline import LAUNCHER_ENV, kill_children
 from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
+from meshfit.util.jsonfile import json_object_or_none
+from meshfit.util.lifeline import LAUNCHER_ENV, kill_children
+from meshfit.util.ranks import free_port
 
 
 @dataclass
@@ -67,16 +67,10 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rank_threads(nproc: int) -> int:
     """Intra-op threads per local rank: ranks share the cores (without this each would start one thread
     per core and oversubscribe them); OMP_NUM_THREADS, when set, decides."""
-    from meshfit.capacity import usable_cores
+    from meshfit.train.capacity import usable_cores
 
     env = os.environ.get("OMP_NUM_THREADS", "")
     return int(env) if env.isdigit() and int(env) > 0 else max(1, usable_cores() // nproc)
@@ -121,7 +115,7 @@ def tell_torchrun(message: str) -> None:
 def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: int | None) -> str:
     """One line before training: what runs, where, and for how long."""
     from meshfit.models.config import num_params
-    from meshfit.units import fmt_count
+    from meshfit.util.units import fmt_count
 
     model = shape.model
     stage = f", zero_stage={shape.zero_stage}" if shape.dims.dp * shape.dims.cp > 1 else ""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from meshfit.units import fmt_bytes, fmt_duration
+from meshfit.util.units import fmt_bytes, fmt_duration
 
 
 def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
@@ -36,7 +36,7 @@ def peak_flops(device: torch.device, configured: float | None) -> float | None:
     if device.type == "cpu":
         return measure_cpu_flops()
     # The planner's GPU catalog holds the datasheet peaks (one table for planning and MFU).
-    from meshfit.planner.hardware import gpu_for_device
+    from meshfit.hardware.catalog import gpu_for_device
 
     gpu = gpu_for_device(torch.cuda.get_device_name(device))
     return gpu.bf16_flops if gpu else None
@@ -106,8 +106,15 @@ def tensorboard_scalars(rec: dict[str, Any]) -> dict[str, float]:
 def progress_bar(console: Any = None) -> Any:
     """The terminal's progress line: step, elapsed time and ETA first, then the step's figures, which alone
     are cut (with an ellipsis) when the terminal is too narrow for all of it (at 100 columns all fits)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.table import Column
     from rich.text import Text
 

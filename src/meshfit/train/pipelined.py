@@ -16,11 +16,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
 from meshfit.models import ModelConfig, build_model
+from meshfit.models.loss import lm_loss
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.parallelize import parallelize
-from meshfit.parallel.pipeline import build_schedule, cut_stage, make_stage
 from meshfit.parallel.pipeline_memory import SendWaits
-from meshfit.train.loss import lm_loss
+from meshfit.parallel.pipeline_parallel import build_schedule, cut_stage, make_stage
 from meshfit.train.shape import RunShape
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from meshfit.config import Config, ConfigError
-from meshfit.jsonfile import json_object_or_none
 from meshfit.train import checkpoint_store as store
+from meshfit.util.jsonfile import json_object_or_none
 
 # What makes a directory a run's: a new run would replace or mix with these.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "checkpoints")
@@ -36,7 +36,7 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
 
 def check_location(run_dir: Path, flag: str = "--run-dir") -> None:
     """The directory can be created and written; names the file in the way otherwise."""
-    from meshfit.paths import PathError, check_out_dir
+    from meshfit.util.paths import PathError, check_out_dir
 
     try:
         check_out_dir(run_dir, flag)

@@ -13,15 +13,15 @@ import torch
 
 from meshfit.config import Config, ConfigError
 from meshfit.data import DataError, check_files
+from meshfit.layout.rules import default_zero_stage, layout_error
+from meshfit.layout.schedules import default_virtual_stages
 from meshfit.models import ModelConfig
-from meshfit.models.hf_weights import safetensors_files
 from meshfit.models.config import pad_vocab_for_tp
+from meshfit.models.hf_weights import safetensors_files
 from meshfit.parallel.compile import toolchain_error
 from meshfit.parallel.context_parallel import cp_degree_error
 from meshfit.parallel.dims import ParallelDims, divisors
-from meshfit.parallel.pipeline import StagePlan, plan_stages
-from meshfit.parallel.rules import default_zero_stage, layout_error
-from meshfit.parallel.schedules import default_virtual_stages
+from meshfit.parallel.pipeline_parallel import StagePlan, plan_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
 from meshfit.train.held_out import check_held_out
 
@@ -75,7 +75,7 @@ def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: 
 
 
 def _layout(cfg: Config, dims: ParallelDims) -> int:
-    """The resolved ZeRO stage, after the layout rules every entry point shares (parallel/rules.py)."""
+    """The resolved ZeRO stage, after the layout rules every entry point shares (layout/rules.py)."""
     par, pipe = cfg.parallel, cfg.pipeline
     stage = par.zero_stage if par.zero_stage is not None else default_zero_stage(dims.dp_shard, dims.cp)
     error = layout_error(dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate, tp=dims.tp, pp=dims.pp,

@@ -12,147 +12,29 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
-from meshfit.data import TokenBatches
-from meshfit.data.heldout import HeldOut
-from meshfit.memory.meter import MemoryMeter, rank_tracker
-from meshfit.memory.tracker import limit_cuda_memory
-from meshfit.models import build_model, flops_per_token
-from meshfit.parallel.dims import Meshes
-from meshfit.parallel.data_parallel import GradientStash, gradient_stash, set_micro_batch
-from meshfit.parallel.host_reduce import HostReduceScatter, host_reduce_scatter
+from meshfit.layout.data_parallel_kind import data_parallel_kind
+from meshfit.models.loss import lm_loss
 from meshfit.parallel.compile import compile_seconds, eager_blocks
-from meshfit.parallel.context_parallel import shard_sequence
-from meshfit.parallel.kinds import data_parallel_kind, reduces_in_background
-from meshfit.parallel.parallelize import parallelize
+from meshfit.parallel.data_parallel import set_micro_batch
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.evaluate import evaluate, evaluation_due
 from meshfit.train.faults import Faults, StopRequest, Watchdog
 from meshfit.train.grad_norm import clip_grad_norm, grad_squares
 from meshfit.train.guard import StepGuard
-from meshfit.train.held_out import data_sources, held_out_reader
-from meshfit.train.loss import lm_loss
-from meshfit.train.metrics import MetricsLog, peak_flops
-from meshfit.train.optim import build_optimizer, build_scheduler
-from meshfit.train.pipelined import Pipe, build_pipeline, pipeline_step
-from meshfit.train.shape import RunShape, resolve_run
+from meshfit.train.metrics import MetricsLog
+from meshfit.train.pipelined import pipeline_step
 from meshfit.train.records import begin_run, compile_fields, step_record, summarize, write_result
+from meshfit.train.run import Run, build_run
 from meshfit.train.vote import Ballot, Vote
-
-
-@dataclass
-class Run:
-    """Everything one rank holds for a training run."""
-
-    cfg: Config
-    env: RankEnv
-    shape: RunShape
-    meshes: Meshes
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    batches: TokenBatches
-    tracker: Any  # meshfit.memory.meter.rank_tracker
-    flops_per_token: float
-    peak_flops: float | None
-    pipe: Pipe | None = None  # pipeline parallelism: this rank's stages and schedule
-    run_dir: Path | None = None
-    step: int = 0  # optimizer steps done, counting those before a resume
-    start_step: int = 0  # the step this launch started from (> 0 when resumed)
-    launch_steps: int = 0  # optimizer steps taken by this process (dry runs included)
-    history: list[dict[str, Any]] = field(default_factory=list)  # this launch's step records
-    meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
-    stash: GradientStash | None = None  # ZeRO-2 under mixed precision with gradient accumulation
-    compiling_since: float = 0.0  # the process's compile seconds when the step began (train.compile)
-    host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters on CPU ranks (host_reduce.py)
-    held_out: HeldOut | None = None  # validation batches (train.eval_every > 0)
-    context: tuple[int, int] = (1, 0)  # (parallel.cp, this rank's index along it)
-
-    def local_tokens(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a batch's sequences: all of them, or under context parallelism its chunks."""
-        cp, rank = self.context
-        if cp == 1:
-            return inputs, targets
-        return shard_sequence(inputs, cp, rank), shard_sequence(targets, cp, rank)
-
-
-def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
-              materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Run:
-    """This rank's run. `materialize` is entered where the model is materialized (see `parallelize`): a dry
-    run passes a FakeTensorMode, so that the device mesh and the layout are built outside it."""
-    shape = resolve_run(cfg, env.world_size)
-    meshes = shape.dims.build_mesh(env.device.type)
-    model_cfg = shape.model
-    torch.manual_seed(cfg.train.seed)
-    weights = _starting_weights(cfg, model_cfg)
-    pipe = None
-    if shape.stages is not None:
-        model, pipe = build_pipeline(cfg, shape, meshes, model_cfg, env.device, materialize, weights)
-    else:
-        model = parallelize(build_model(model_cfg, "meta"), shape.dims, meshes, model_cfg, parallel=cfg.parallel,
-                            zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
-                            device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize,
-                            compile_blocks=cfg.train.compile, seq_len=cfg.train.seq_len)
-    optimizer = build_optimizer(model, cfg.train)
-    source, held = data_sources(cfg, model_cfg.vocab_size, str(run_dir) if run_dir else None)
-    # Named by data.path: tokenized text is an in-memory array, which would otherwise be "token array".
-    batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
-                           dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp,
-                           name=cfg.data.path if cfg.data.source != "synthetic" else None)
-    tracker = rank_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_tracking, cfg.train.memory_budget,
-                           cfg.parallel.offload, pipeline=pipe is not None)
-    meter = _meter(cfg, env, tracker)
-    limit_cuda_memory(env.device, cfg.train.memory_budget)
-    return Run(cfg=cfg, env=env, shape=shape, meshes=meshes, model=model, optimizer=optimizer,
-               scheduler=build_scheduler(optimizer, cfg.train), batches=batches, tracker=tracker,
-               flops_per_token=flops_per_token(model_cfg, cfg.train.seq_len),
-               peak_flops=peak_flops(env.device, cfg.train.peak_flops), pipe=pipe, run_dir=run_dir, meter=meter,
-               stash=None if pipe else gradient_stash(model, shape.zero_stage, shape.mixed_precision,
-                                                      shape.accum_steps),
-               host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group()),
-                                        cfg.parallel.reduce_dtype),
-               held_out=held_out_reader(cfg, held, meshes.dp.get_local_rank(), shape.dims.dp),
-               context=(shape.dims.cp, meshes.world["cp"].get_local_rank()))
-
-
-def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str,
-                 reduce_dtype: str) -> HostReduceScatter | None:
-    """meshfit's reduce-scatter for FSDP2 on gloo; in the background where the layout allows it."""
-    background = reduces_in_background(shape.zero_stage, shape.dims.dp_shard * shape.dims.cp,
-                                       shape.dims.dp_replicate > 1,
-                                       shape.mixed_precision, pipelined, backend, reduce_dtype)
-    # The pipeline schedule runs the backward itself, without begin() and finish() around it.
-    assert not (background and pipelined)
-    return host_reduce_scatter(model, backend, background)
-
-
-def _meter(cfg: Config, env: RankEnv, tracker: Any) -> MemoryMeter:
-    train = cfg.train  # memory_tracking=off with a CPU budget is refused by resolve_run
-    return MemoryMeter(tracker, env.device, train.memory_tracking, train.memory_tracked_steps, train.memory_budget)
-
-
-def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | None:
-    if not cfg.model.init_from:
-        return None
-    from meshfit.config import ConfigError
-    from meshfit.models.hf_weights import load_hf
-
-    try:
-        return load_hf(cfg.model.init_from, model_cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: bool) -> torch.Tensor:

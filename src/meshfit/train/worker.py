@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshfit.kept_warnings import KeptWarnings
+from meshfit.util.kept_warnings import KeptWarnings
 
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
@@ -67,7 +67,7 @@ def _abandon_group() -> None:
 def main() -> None:
     code = INTERRUPTED
     if "--launched" in sys.argv[3:]:
-        from meshfit.lifeline import end_with_launcher
+        from meshfit.util.lifeline import end_with_launcher
 
         end_with_launcher()  # first: a launcher killed while this rank starts takes it along
     try:

@@ -1,0 +1,292 @@
+"""The run configuration's sections (model, parallel, pipeline, train, data, checkpoint, metrics): each key
+typed, with its default and its bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from meshfit.config.files import ConfigError
+from meshfit.layout.data_parallel_kind import DEFAULT_MAX_UNIT_PARAMS
+from meshfit.layout.recompute import AC_EVERY, AC_MODES
+from meshfit.layout.schedules import SCHEDULES
+from meshfit.util.units import parse_bytes
+
+
+class _Section(BaseModel):
+    # extra="forbid" turns a typo such as `train.stpes` into an error naming the unknown key.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """A named preset, optionally with any of its dimensions overridden."""
+
+    preset: str = "tiny"
+    family: Literal["llama", "gpt"] | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab_size: int | None = None
+    ffn_hidden: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+    dropout: float | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    # Pad the vocabulary to a multiple of this (tensor parallelism splits it by rows). Unset: padded to a
+    # multiple of parallel.tp only when tp does not divide it.
+    pad_vocab_to: int | None = None
+    # Attention kernel: flash (torch's fused scaled_dot_product_attention) or eager (scores materialised).
+    attention: str | None = None  # checked by ModelConfig.validate
+    # Start from these weights instead of random ones: a folder (or file) of Hugging Face-style
+    # safetensors, as `meshfit export` writes. Shapes must match the model above.
+    init_from: str | None = None
+
+    def resolve(self):  # -> meshfit.models.ModelConfig (import kept local: models import torch)
+        """The preset's ModelConfig with this section's overrides applied and validated."""
+        from meshfit.models import get_preset
+
+        try:
+            base = get_preset(self.preset)
+        except ValueError as exc:
+            raise ConfigError(f"model.preset: {exc}") from None
+        overrides = {k: v for k, v in self.model_dump().items()
+                     if k not in ("preset", "init_from") and v is not None}
+        cfg = dataclasses.replace(base, **overrides)
+        try:
+            cfg.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return cfg
+
+
+def _degree(value: int | None) -> int | None:
+    if value is not None and (value == 0 or value < -1):
+        raise ValueError("must be a positive degree, or -1 for 'the rest of the world size'")
+    return value
+
+
+def _one_of(value: str, valid: tuple[str, ...]) -> str:
+    if value not in valid:
+        raise ValueError(f"must be one of {', '.join(repr(v) for v in valid)}")
+    return value
+
+
+class ParallelSection(_Section):
+    """The layout: degrees of each parallel dimension (product = world size) and how state is kept."""
+
+    dp_replicate: int = 1
+    # None (unset): data parallelism takes the ranks the other degrees leave (layout/rules.py's
+    # data_parallel_rest): dp_shard, or dp_replicate when zero_stage=0 asks for DDP replicas.
+    dp_shard: int | None = None
+    tp: int = 1
+    pp: int = 1
+    # Context parallelism: each sequence split over cp ranks (parallel/context_parallel.py); they hold the
+    # same weights, sharded with dp_shard when zero_stage ≥ 1.
+    cp: int = 1
+    # 0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP). None: 3 when
+    # dp_shard > 1, else 0. Sharding happens across dp_shard; dp_replicate replicates (HSDP).
+    zero_stage: int | None = None
+    offload: bool = False  # sharded parameters, gradients and optimizer states live in host memory
+    mixed_precision: bool = False  # bf16 compute, fp32 master weights and reductions
+    activation_checkpointing: str = "none"  # one of layout/recompute.py's AC_MODES
+    ac_every: int = AC_EVERY  # selective: checkpoint every ac_every-th transformer block of each stage
+    sp: bool = False  # sequence parallelism for norms, dropout and the residual stream (needs tp > 1)
+    # Mixed precision, ZeRO-2/3: gradients reduce-scattered in fp32, or in the compute dtype (bf16) as
+    # DeepSpeed does. Stage 1 always reduces in bf16.
+    reduce_dtype: Literal["fp32", "compute"] = "fp32"
+    # A block with more parameters is sharded as smaller FSDP units (parallel/fsdp_units.py); null: one per block.
+    max_unit_params: int | None = Field(DEFAULT_MAX_UNIT_PARAMS, ge=1)
+    loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (needs tp > 1)
+
+    _check = field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp")(_degree)
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _stage(cls, value: int | None) -> int | None:
+        if value is not None and value not in (0, 1, 2, 3):
+            raise ValueError("must be 0 (DDP), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters, FSDP)")
+        return value
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _ac(cls, value: str) -> str:
+        return _one_of(value, AC_MODES)
+
+    @field_validator("ac_every")
+    @classmethod
+    def _every(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be ≥ 1 (1 checkpoints every block)")
+        return value
+
+
+class PipelineSection(_Section):
+    """Pipeline parallelism (used when parallel.pp > 1)."""
+
+    schedule: str = "1f1b"  # one of layout/schedules.py's SCHEDULES
+    microbatches: int | None = None  # per optimizer step on each pipeline; None = one sequence each
+    virtual_stages: int | None = None  # stages per rank; None = 1, or 2 for interleaved and V schedules
+    layers_per_stage: list[int] | None = None  # override of the balanced split, one entry per stage
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str) -> str:
+        return _one_of(value, SCHEDULES)
+
+    @field_validator("microbatches", "virtual_stages")
+    @classmethod
+    def _positive_opt(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("layers_per_stage", mode="before")
+    @classmethod
+    def _layers(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set pipeline.layers_per_stage=3,2,2,1
+            try:
+                return [int(x) for x in value.replace("[", "").replace("]", "").split(",") if x.strip()]
+            except ValueError:
+                raise ValueError("write the layers of each stage as integers, e.g. 3,2,2,1") from None
+        return value
+
+
+class TrainSection(_Section):
+    steps: int = 20
+    seed: int = Field(0, ge=0)
+    global_batch: int = 8
+    micro_batch: int | None = None  # sequences per rank per forward; None = the whole local batch
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # the final lr as a fraction of lr
+    warmup_steps: int = Field(2, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0 = no clipping
+    precision: Literal["fp32", "bf16"] = "fp32"
+    memory_budget: int | None = None  # bytes of tracked tensor memory per rank
+    # How step memory is measured (memory/meter.py): auto = from the allocator's counters on every step on
+    # CUDA, else as ops; ops = the per-operator tracker on the first memory_tracked_steps steps of a launch,
+    # and every step when a CPU budget is enforced; full = the per-operator tracker every step; off = never.
+    memory_tracking: Literal["auto", "ops", "full", "off"] = "auto"
+    memory_tracked_steps: int = 3
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    peak_flops: float | None = Field(None, gt=0)  # per device, for MFU; None = measured (CPU) or catalog (GPU)
+    log_every: int = 1
+    stop_after: int | None = None  # end this launch after this many steps (the LR schedule still spans `steps`)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf loss or gradient on any rank: stop, or skip the step
+    # A rank that makes no progress for this long (a step, a collective, a save) is hung: every rank
+    # reports it and exits non-zero.
+    timeout_s: float = 600.0
+    # Validation loss on held-out data (data.val_path / data.val_fraction; synthetic data has its own
+    # held-out stream) after every eval_every-th step; 0 = never. Each evaluation averages eval_batches
+    # global batches, the same ones every time, so the values form one comparable curve.
+    eval_every: int = Field(0, ge=0)
+    eval_batches: int = 4
+    # torch.compile each transformer block (parallel/compile.py); the first steps, which compile, are
+    # reported once (`compile_s`) and left out of step-time figures.
+    compile: bool = False
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> int | None:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        size = parse_bytes(value)
+        if size <= 0:
+            raise ValueError("must be a positive size such as 300MiB or 2GB")
+        return size
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("steps", "global_batch", "seq_len", "log_every", "memory_tracked_steps", "eval_batches")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be a positive integer")
+        return value
+
+    @field_validator("micro_batch", "stop_after")
+    @classmethod
+    def _micro(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be a positive integer, or null for none")
+        return value
+
+    @field_validator("lr")
+    @classmethod
+    def _lr(cls, value: float) -> float:
+        # lr=0 would train nothing while looking like a run; the schedule's floor is min_lr_ratio instead.
+        if not value > 0:
+            raise ValueError("must be > 0, e.g. 3e-3 (the peak learning rate; the schedule ends at min_lr_ratio · lr)")
+        return value
+
+
+class DataSection(_Section):
+    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    path: str | None = None
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    token_dtype: Literal["uint16", "uint32", "int32", "int64"] | None = None
+    # Held-out data for train.eval_every: a file (or folder) like `path`, read with the same source,
+    # tokenizer and token_dtype; or the last val_fraction of `path`'s tokens, then not trained on.
+    val_path: str | None = None
+    val_fraction: float = Field(0.0, ge=0, lt=1)
+
+
+class CheckpointSection(_Section):
+    """Distributed checkpoints: model, optimizer, LR schedule, data position, RNG states and step."""
+
+    interval: int = 0  # save every `interval` steps; 0 = only at the end
+    at_end: bool = True  # save after the last step
+    keep_latest: int = 2  # complete checkpoints kept (older ones are deleted); ≥ 2 so one can fall back
+    async_save: bool = False  # write in the background while training goes on
+    dir: str | None = None  # default: RUN_DIR/checkpoints
+    resume: bool = False  # continue from the latest complete checkpoint in `dir` (if there is one)
+    resume_from: str | None = None  # continue from exactly this checkpoint folder (no fallback)
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be ≥ 0 steps (0 saves only at the end)")
+        return value
+
+    @field_validator("keep_latest")
+    @classmethod
+    def _keep(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError("must be ≥ 2: the previous checkpoint is the fallback when the latest is damaged")
+        return value
+
+
+class MetricsSection(_Section):
+    """Where rank 0 reports each step besides metrics.jsonl."""
+
+    # Also write TensorBoard event files to RUN_DIR/tensorboard (needs `pip install tensorboard`; checked
+    # when training starts, not here, so a run's config.yaml still loads on a machine without it).
+    tensorboard: bool = False
+
+
+class Config(_Section):
+    model: ModelSection = ModelSection()
+    parallel: ParallelSection = ParallelSection()
+    pipeline: PipelineSection = PipelineSection()
+    train: TrainSection = TrainSection()
+    data: DataSection = DataSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    metrics: MetricsSection = MetricsSection()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+SECTIONS = tuple(Config.model_fields)

@@ -1,0 +1,161 @@
+"""What meshfit's transformer blocks keep for backward, per rank, in bytes: the planner's activation model.
+
+Two numeric modes: ``fp32``, and ``bf16``: mixed precision, where every layout computes on FSDP2's 16-bit
+weight copies (layout/data_parallel_kind.py), so every activation is 16-bit; pure bf16 is the same.
+
+meshfit's blocks keep what Korthikanti et al. 2022 count (planner/memory/formulas.py's per-tensor terms, which also
+count the Llama block by their rule), because they are written to (models/layers.py): RMSNorm keeps its
+16-bit input alone, dropout a one-byte mask, grouped key/value heads are not repeated for the fused
+kernel, and under sequence parallelism the gathered projection inputs are gathered again in backward
+(parallel/sp_regather.py). On top of that count: LayerNorm's mean and reciprocal deviation per token.
+``benchmarks/planner/block_activations.py`` measures these against torch's memory tracker on real blocks.
+
+Recompute policies (layout/recompute.py): ``attention`` drops the attention core's terms; ``op`` keeps the
+block input and the outputs of every matmul, attention kernel and reduction (tensor parallelism's
+row-parallel matmuls produce full-size partial sums, kept next to their reduced output); a block
+checkpointed whole keeps its input.
+
+Context parallelism (parallel/context_parallel.py, degree cp): every sequence-long tensor is a rank's s/cp
+tokens; the attention kernel keeps the whole sequence's gathered keys and values (2·s·kv_width per block)
+in place of the local ones, and the fused kernel each chunk's output next to their concatenation; eager
+scores (and the causal mask) cover each chunk's prefix of the keys. The "attention" and "op" policies
+recompute the gathered keys and values (the gather is re-run in backward) rather than keep them.
+``benchmarks/planner/block_activations.py --cp`` measures blocks on fake tensors: the same bytes for both families,
+both kernels, t = 1 and 2 + SP, every policy.
+"""
+
+from __future__ import annotations
+
+from meshfit.layout.layout import Layout, Workload
+from meshfit.layout.recompute import rerun_blocks
+from meshfit.models.config import ModelConfig
+from meshfit.planner.memory.formulas import activation_bytes_per_layer
+
+MODES = ("fp32", "bf16")
+
+
+def value_bytes(mode: str) -> int:
+    """Bytes of one activation value in the compute dtype."""
+    return 4 if mode == "fp32" else 2
+
+
+def block_weight_params(model: ModelConfig) -> int:
+    """Matmul weights of one block (what tensor parallelism splits)."""
+    d, hd = model.dim, model.head_dim
+    if model.family == "llama":
+        return d * hd * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * d * model.ffn_hidden
+    return 4 * d * d + 2 * d * model.ffn_hidden
+
+
+def cp_keys_per_query(seq: int, cp: int) -> float:
+    """Keys a local query row scores, on average, under context parallelism: rank i's two chunks (of 2·cp,
+    c = seq / (2·cp) tokens each) see prefixes of (i + 1)·c and (2·cp − i)·c keys, (2·cp + 1)·c / 2 per row
+    on every rank (the causal load balance)."""
+    return (2 * cp + 1) * seq / (4 * cp)
+
+
+def gathered_kv_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1) -> float:
+    """The whole sequence's keys and values one context-parallel rank gathers per block and micro-batch of
+    ``batch`` ``seq``-long sequences: what the all-gather brings in, and what the kernel keeps for backward."""
+    return 2 * seq * batch * model.n_kv_heads * model.head_dim * value_bytes(mode) / tp
+
+
+def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1,
+                           sp: bool = False, attention: str = "flash", dropout: float = 0.0,
+                           policy: str = "none", cp: int = 1) -> float:
+    """Bytes one rank keeps for the backward of one block and one micro-batch of ``batch`` ``seq``-long
+    sequences (the whole sequence: under context parallelism ``cp`` the rank holds seq / cp of it), under
+    recompute ``policy`` "none", "op" or "attention" (a block checkpointed whole: see
+    :func:`checkpointed_block_bytes`)."""
+    p = value_bytes(mode)
+    local = seq // cp
+    tokens = local * batch
+    keys = cp_keys_per_query(seq, cp) if cp > 1 else None
+    seq_split = tp if sp else 1
+    if policy == "op":
+        return tokens * _op_kept_per_token(model, p, keys or seq, tp, sp, attention)
+    gpt = model.family == "gpt"
+    total = activation_bytes_per_layer(
+        s=local, b=batch, h=model.dim, a=model.n_heads, t=tp, sp=sp, bytes_per_value=p,
+        recompute="selective" if policy == "attention" else "none", dropout=gpt and dropout > 0,
+        attention=attention, family=model.family, ffn=model.ffn_hidden / model.dim,
+        kv=model.n_kv_heads / model.n_heads, keys=keys)
+    if gpt:
+        total += tokens * 2 * 2 * p / seq_split  # two LayerNorms' mean and reciprocal deviation
+    if policy == "none" and attention == "eager":
+        # The causal mask masked_fill keeps: one byte per query and key, repeated for the query heads of a
+        # key/value group, shared by the micro-batch's sequences.
+        total += model.n_heads // model.n_kv_heads * local * (keys or seq)
+    if cp > 1 and policy == "none":
+        # The kernel keeps the gathered keys and values in place of the local ones; the fused kernel also
+        # keeps each chunk's output, next to their concatenation (the output projection's input).
+        local_kv = tokens * 2 * model.n_kv_heads * model.head_dim * p / tp
+        outputs = tokens * model.dim * p / tp if attention == "flash" else 0.0
+        total += gathered_kv_bytes(model, mode=mode, seq=seq, batch=batch, tp=tp) - local_kv + outputs
+    return total
+
+
+def _op_kept_per_token(model: ModelConfig, p: int, keys: float, tp: int, sp: bool, attention: str) -> float:
+    h, heads = model.dim, model.n_heads
+    kv = model.n_kv_heads * model.head_dim
+    kept = p * h / (tp if sp else 1)  # the block input
+    kept += p * (h + 2 * kv) / tp  # q, k, v projections
+    if attention == "eager":
+        kept += p * heads * keys / tp + p * h / tp  # QKᵀ scores (a row of keys each) and probabilities × V
+    else:
+        kept += p * h / tp + 4 * heads / tp  # the fused kernel's output and log-sum-exp
+    up = 2 if model.family == "llama" else 1  # SwiGLU's gate and up projections
+    kept += p * up * model.ffn_hidden / tp
+    # Output projection and MLP down projection: their matmul outputs (full-size partial sums under
+    # TP), and under TP the reduced outputs as well (sequence-split under SP).
+    reduced = 0 if tp == 1 else p * h / (tp if sp else 1)
+    return kept + 2 * (p * h + reduced)
+
+
+def checkpointed_block_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1,
+                             sp: bool = False, cp: int = 1) -> float:
+    """A block checkpointed whole keeps only its input: the residual stream (sequence-split under SP, and
+    the rank's seq / cp tokens under context parallelism)."""
+    return seq // cp * batch * model.dim * value_bytes(mode) / (tp if sp else 1)
+
+
+def head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held: int = 1,
+                transient: bool = True) -> float:
+    """The last stage around the loss for ``held`` micro-batches whose forward is done and backward not.
+
+    Each keeps the final norm's saved tensors, its logits (compute dtype) and the log-softmax output
+    (fp32); on top comes the largest transient of the loss: the fp32 gradients of the log-probabilities
+    and of the logits, which coexist in its backward whatever the logits' dtype.
+    """
+    vocab = model.padded_vocab / layout.tp if layout.loss_parallel else model.padded_vocab
+    p = 4 if mode == "fp32" else 2
+    norm = tokens * model.dim * (12 if mode != "bf16" else 8) / (layout.tp if layout.sp else 1)
+    saved = norm + tokens * vocab * (p + 4)
+    # Measured with torch's tracker (seq 1024, vocabulary 8192): two fp32 logit-sized gradients in the
+    # loss's backward, 16-bit logits or not (the forward's fp32 copy of 16-bit logits, 4 bytes, is less).
+    # torch's loss-parallel cross-entropy keeps one more fp32 tensor of the local logits' size.
+    extra = 4 if layout.loss_parallel else 0
+    return held * saved + (tokens * vocab * (8 + extra) if transient else 0.0)
+
+
+def layout_activations(model: ModelConfig, layout: Layout, workload: Workload, layers: int, mode: str,
+                       rerun: int | None = None) -> tuple[float, float]:
+    """(saved activations of one micro-batch through ``layers`` blocks, what backward adds on top).
+    ``rerun``: how many of them are checkpointed whole (by default as one stage of ``layers`` blocks).
+
+    With checkpointed blocks, backward re-runs one checkpointed block at a time in full; while that block's
+    gradients are computed its recomputed activations and the gradient temporaries (together about 1.45
+    blocks' activations, as measured with torch's tracker) are alive. The "op" and "attention" policies
+    recompute, one block at a time, what they did not keep.
+    """
+    kw = dict(mode=mode, seq=workload.seq_len, batch=layout.micro_batch, tp=layout.tp, sp=layout.sp, cp=layout.cp)
+    ac = layout.activation_checkpointing
+    full = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, **kw)
+    if ac in ("none", "op", "attention"):
+        kept = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, policy=ac,
+                                      **kw)
+        return layers * kept, full - kept
+    kept = checkpointed_block_bytes(model, **kw)
+    # "selective" checkpoints every parallel.ac_every-th block of each stage (its default assumed).
+    checkpointed = rerun_blocks((layers,), ac) if rerun is None else rerun
+    return checkpointed * kept + (layers - checkpointed) * full, full * 1.45 if checkpointed else 0.0
