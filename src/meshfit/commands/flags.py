@@ -13,7 +13,6 @@ from meshfit.train.capacity import RANK_MIN_BYTES, RANKS_PER_CORE
 from meshfit.util.units import parse_bytes
 
 
-# Flag types: argparse then refuses a bad value naming the flag (exit 2), before anything is computed.
 def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str], Any]:
     """An argparse type: `kind(text)` that passes `ok`, else an error saying `expected {what}`."""
     def parse(text: str) -> Any:
@@ -28,11 +27,7 @@ def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str
 
 
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
-
-
 positive_float = _number(float, "a positive number", lambda v: v > 0)
-
-
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
 
 
@@ -44,7 +39,6 @@ def memory_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive size such as 64GiB, got {text!r}")
     return value
-
 
 
 OVERSUBSCRIBE_HELP = (f"start more local ranks than this machine holds ({RANKS_PER_CORE} per core, at least "
