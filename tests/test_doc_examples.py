@@ -1,4 +1,4 @@
-"""Every command of README.md and docs/ that launches training runs as written, at tiny scale.
+"""Every command of README.md and docs/*.md that launches training runs as written, at tiny scale.
 
 Each command is quoted here as the documentation writes it (the test checks the quote is still there), then
 run with the documentation's placeholders filled in for one machine: one node of 2 ranks, a free port for
@@ -8,7 +8,6 @@ checkpoint examples then resume; the demo (also documented) has its own test, te
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,7 +20,8 @@ from meshfit.util.ranks import free_port
 pytestmark = pytest.mark.multiproc
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = {name: (ROOT / name).read_text() for name in ("README.md", "docs/checkpoints.md", "docs/planner.md")}
+DOCS = {path.relative_to(ROOT).as_posix(): path.read_text()
+        for path in (ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")))}
 
 RUN_TOML = """\
 [model]
