@@ -9,7 +9,6 @@ kernel moves on a GPU (torch's CPU RMSNorm is a chain of small operators).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import pytest

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshfit.config import Config
+from meshfit.train import checkpoint_reader
 from meshfit.train import checkpoint_store as store
 from meshfit.train.checkpoint_store import CheckpointError
 from meshfit.train.optim import continue_schedule
@@ -228,7 +229,9 @@ class Checkpointer:
             # RNG states belong to ranks; under another world size they are re-seeded from the step.
             del state["rng"]
         try:
-            dcp.load(state, checkpoint_id=folder)
+            checkpoint_reader.load(state, folder)  # allow-listed: nothing in a checkpoint runs
+        except checkpoint_reader.UnsafeCheckpoint:
+            raise
         except Exception as exc:  # DCP wraps per-rank errors; name the checkpoint with the cause
             raise CheckpointError(f"checkpoint {folder} cannot be loaded into this run: {_first_line(exc)}") from exc
         model_sd = {back.get(k, k): v for k, v in state["model"].items()}

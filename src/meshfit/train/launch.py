@@ -28,7 +28,6 @@ from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
 from meshfit.util.jsonfile import json_object_or_none
 from meshfit.util.lifeline import LAUNCHER_ENV, kill_children
-from meshfit.util.ranks import free_port
 
 
 @dataclass
@@ -165,15 +164,19 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from meshfit.train import local_rendezvous
+
     os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(nproc)))
     # torch's elastic agent logs its own view of every shutdown (e.g. "Received 2 death signal"); the
     # outcome is reported once, from the ranks' reports. Its loggers set their own levels: quiet each.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # Every store of the launch listens on 127.0.0.1 alone (local_rendezvous.py); port 0: a free one.
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8], rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts, monitor_interval=0.1,
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+        rdzv_backend=local_rendezvous.register(), rdzv_endpoint=f"{local_rendezvous.LOOPBACK}:0",
+        local_addr=local_rendezvous.LOOPBACK, max_restarts=max_restarts, monitor_interval=0.1,
         start_method="spawn",
         # After a signal, torch waits this long for the ranks to finish their step and save before it
         # kills them (its default, 30 s, is shorter than a large model's save).

@@ -161,6 +161,10 @@ def check_resume(cfg: Config, run_dir: Path, model: Any) -> Resume:
     root = checkpoint_root(cfg, run_dir)
     try:
         folder, marker, damaged = store.pick(root, pinned)
+        if folder is not None:
+            from meshfit.train.checkpoint_reader import read_metadata  # torch: only when resuming
+
+            read_metadata(folder)  # its index through the allow-list, before any rank reads it
     except store.CheckpointError as exc:
         raise ConfigError(f"{'--resume-from' if pinned else '--resume'}: {exc}") from None
     if folder is None:

@@ -24,17 +24,39 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from meshfit.util.lifeline import end_with
 
+LOOPBACK = "127.0.0.1"
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the rendezvous of local ranks)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
+
+
+def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=60)) -> Any:
+    """A torch TCPStore server on 127.0.0.1:`port` (0: a free port, read back from `.port`) and nowhere
+    else: TCPStore binds its own server to every interface, so it is handed a socket already bound to the
+    loopback address (`master_listen_fd`). Local ranks never need to be reached from the network."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOOPBACK, port))
+        listener.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(LOOPBACK, listener.getsockname()[1], is_master=True, timeout=timeout,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the descriptor now
+    return store
 
 
 class RankFailed(RuntimeError):
@@ -52,14 +74,15 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port)})
     code = 0
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        store = loopback_store(port) if rank == 0 else dist.TCPStore(LOOPBACK, port, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         value = fn(*args)
         dist.barrier()
         dist.destroy_process_group()
