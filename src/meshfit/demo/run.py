@@ -41,7 +41,7 @@ from meshfit.demo.trial import (
     run_trial,
 )
 from meshfit.layout.layout import Layout
-from meshfit.train.preflight import check_location, run_contents
+from meshfit.train.preflight import check_location, held, run_contents
 from meshfit.util.kept_warnings import KeptWarnings, warning_logs
 from meshfit.util.units import fmt_bytes, parse_bytes
 
@@ -111,9 +111,13 @@ def run_demo(run_dir: Path, nproc: int = 2, budget: str = DEMO_BUDGET, overwrite
     """Run every demo layout; print the table and write summary.json. Returns the exit code (bad arguments
     raise ConfigError first: see check_demo_args)."""
     run_dir = Path(run_dir)
-    check_demo_args(run_dir, nproc, overwrite)
+    with held(run_dir):  # one process at a time in the demo's folder
+        check_demo_args(run_dir, nproc, overwrite)
+        return _run_held(run_dir, nproc, budget)
+
+
+def _run_held(run_dir: Path, nproc: int, budget: str) -> int:
     console = make_console()
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "warnings.log").unlink(missing_ok=True)
     with KeptWarnings(run_dir / "warnings.log"):
         try:

@@ -228,23 +228,26 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
     # cleared); a restart by torchrun (restart count > 0) continues the run it restarts, as a resume.
     leader = not under_torchrun() or int(os.environ.get("RANK", 0)) == 0
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    removed, resume = [], preflight.Resume()
-    if leader and not restarted:
-        removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
-        resume = preflight.check_resume(cfg, run_dir, shape.model) if resuming else resume
-    if leader:  # every check passed: a damaged checkpoint the resume skips moves aside, named
-        lines = [*resume.lines, *preflight.set_aside_damaged(cfg, run_dir, resume)]
-        for line in [*lines, banner(cfg, shape, run_dir, world, resume.step)]:
-            print(line, file=sys.stderr, flush=True)
-    if leader and cfg.data.source == "text":
-        from meshfit.data.files import tokenizer_note
+    with contextlib.ExitStack() as held:
+        if leader:  # one process at a time in a run directory, from its checks to the end of the run
+            held.enter_context(preflight.held(run_dir))
+        removed, resume = [], preflight.Resume()
+        if leader and not restarted:
+            removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
+            resume = preflight.check_resume(cfg, run_dir, shape.model) if resuming else resume
+        if leader:  # every check passed: a damaged checkpoint the resume skips moves aside, named
+            lines = [*resume.lines, *preflight.set_aside_damaged(cfg, run_dir, resume)]
+            for line in [*lines, banner(cfg, shape, run_dir, world, resume.step)]:
+                print(line, file=sys.stderr, flush=True)
+        if leader and cfg.data.source == "text":
+            from meshfit.data.files import tokenizer_note
 
-        if note := tokenizer_note(cfg.data.tokenizer, shape.model.vocab_size):
-            print(note, file=sys.stderr, flush=True)
-    # The ranks load the checkpoint checked above without hashing its files again.
-    verified = {store.VERIFIED_ENV: store.launcher_token(resume.folder)} if resume.folder else {}
-    with _environ(verified):
-        return _start(cfg, run_dir, nproc, max_restarts, removed)
+            if note := tokenizer_note(cfg.data.tokenizer, shape.model.vocab_size):
+                print(note, file=sys.stderr, flush=True)
+        # The ranks load the checkpoint checked above without hashing its files again.
+        verified = {store.VERIFIED_ENV: store.launcher_token(resume.folder)} if resume.folder else {}
+        with _environ(verified):
+            return _start(cfg, run_dir, nproc, max_restarts, removed)
 
 
 @contextlib.contextmanager

@@ -10,13 +10,16 @@ resume are named here, once, before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from meshfit.config import Config, ConfigError
 from meshfit.train import checkpoint_store as store
+from meshfit.util import run_lock
 from meshfit.util.jsonfile import json_object_or_none
 
 # What makes a directory a run's: a new run would replace or mix with these.
@@ -42,6 +45,20 @@ def check_location(run_dir: Path, flag: str = "--run-dir") -> None:
         check_out_dir(run_dir, flag)
     except PathError as exc:
         raise ConfigError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def held(run_dir: Path) -> Iterator[None]:
+    """`run_dir` held by this process for the block (util/run_lock.py): ConfigError naming the process
+    that holds it instead. Taken before the directory is judged, so two starts cannot both pass."""
+    check_location(run_dir)  # before the lock makes the folder
+    lock = contextlib.ExitStack()
+    try:
+        lock.enter_context(run_lock.hold(run_dir))
+    except run_lock.RunDirBusy as exc:
+        raise ConfigError(str(exc)) from None
+    with lock:
+        yield
 
 
 def run_contents(run_dir: Path, root: Path) -> list[str]:
