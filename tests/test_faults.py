@@ -234,3 +234,25 @@ def test_a_hung_rank_makes_every_rank_exit_non_zero_within_the_timeout(tmp_path:
     reports = [json.loads((tmp_path / "failures" / f"rank{r}.json").read_text()) for r in (0, 1)]
     # Each rank gave up at most the timeout (plus scheduling slack) after the last completed step.
     assert all(r["time"] - steps[-1]["time"] < 4 + 3 for r in reports)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_save_that_fails_removes_its_folder_keeps_the_others_and_records_the_failure(
+        tmp_path: Path, background: bool) -> None:
+    """A full disk during the save after step 4 (on rank 1, as the other rank writes on): one `error:` line,
+    no partial folder, step 2's checkpoint intact and resumable, result.json says why."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run([*_cli("train.steps=6", "checkpoint.interval=2", f"checkpoint.async_save={background}"),
+                           "--nproc", "2", "--run-dir", str(run_dir)], env=_env("disk-full-in-save:rank=1:step=4"),
+                          capture_output=True, text=True, timeout=200)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1] == errors[0]
+    assert f"could not be written to {run_dir / 'checkpoints' / 'step-00000004'}: [Errno 28] No space left on " \
+           "device (rank 1); its partial folder was removed, the checkpoints of steps 2 are kept" in errors[0]
+    assert [number for number, _ in store.step_folders(run_dir / "checkpoints")] == [2]
+    store.verify(store.step_dir(run_dir / "checkpoints", 2))  # intact: every file against its SHA-256
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and "[Errno 28] No space left on device" in result["error"]
+    assert not (run_dir / ".result.json.tmp").exists()

@@ -15,6 +15,7 @@ import re
 import shutil
 import sys
 import time
+from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshfit.config import Config
@@ -134,12 +136,18 @@ class Checkpointer:
             _say(self.rank, f"writing step {step} to {folder}: model, optimizer states, schedule, data position "
                             f"and RNG states ({fmt_bytes(total)} from {dist.get_world_size()} rank(s))"
                             f"{' in the background' if background else ''}…")
-        if background:
-            response = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
-            self.pending = (step, folder, getattr(response, "upload_completion", response), info, start, announce)
-        else:
-            dcp.save(state, checkpoint_id=folder)
-            self._finalize(step, folder, info, start, announce, background=False)
+        writer = self.faults.storage_writer(step, folder) if self.faults else None
+        try:
+            if background:
+                response = dcp.async_save(state, checkpoint_id=folder, process_group=self.group,
+                                          storage_writer=writer)
+                self.pending = (step, folder, getattr(response, "upload_completion", response), info, start,
+                                announce)
+            else:
+                dcp.save(state, checkpoint_id=folder, storage_writer=writer)
+                self._finalize(step, folder, info, start, announce, background=False)
+        except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
+            raise self._failed(step, folder, exc) from None
         self.save_seconds.append(time.perf_counter() - start)
         if timer is not None:
             timer.join()  # the injected kill fires during the save, or just after it
@@ -154,14 +162,30 @@ class Checkpointer:
         if self.pending is not None:
             step, folder, future, info, start, announce = self.pending
             self.pending = None
-            future.result()  # raises what the background save raised
-            self._finalize(step, folder, info, start, announce, background=True)
+            try:
+                future.result()  # raises what the background save raised
+                self._finalize(step, folder, info, start, announce, background=True)
+            except (Exception, CheckpointException) as exc:
+                raise self._failed(step, folder, exc) from None
 
     def wait(self) -> None:
         """Wait for an async save and finalize it (collective)."""
         if self.pending is not None:
-            self.pending[2].result()
+            futures.wait([self.pending[2]])
             self.finalize_pending()
+
+    def _failed(self, step: int, folder: Path, exc: BaseException) -> CheckpointError:
+        """A save that failed (no space, no permission, a broken disk) on any rank, as every rank sees it:
+        rank 0 removes its partial folder (the space it holds may be what the run's result needs), and the
+        error names the cause and the checkpoints kept."""
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        kept = [number for number, path in store.step_folders(self.root) if path != folder]
+        resume = (f"--resume continues from step {max(kept)}" if kept else "no earlier checkpoint exists")
+        return CheckpointError(f"the checkpoint of step {step} could not be written to {folder}: {_cause(exc)}; "
+                               f"its partial folder was removed, the checkpoints of "
+                               f"{'steps ' + ', '.join(map(str, sorted(kept))) if kept else 'no step'} are kept "
+                               f"({resume} once the cause is fixed)")
 
     def _finalize(self, step: int, folder: Path, info: dict[str, Any], start: float, announce: bool,
                   background: bool) -> None:
@@ -278,6 +302,15 @@ def _all_ranks_bytes(state: dict[str, Any], device: torch.device) -> int:
     total = torch.tensor([local], dtype=torch.float64, device=device)  # one small collective per save
     dist.all_reduce(total)
     return int(total.item())
+
+
+def _cause(exc: BaseException) -> str:
+    """The first rank's own error inside DCP's CheckpointException (which lists every rank's traceback)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, failure = min(exc.failures.items(), key=lambda item: item[0])
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"{_first_line(inner)} (rank {rank})"
+    return _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:

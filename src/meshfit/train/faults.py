@@ -8,6 +8,8 @@ Fault injection is a test switch, read from the environment so that it reaches r
     MESHFIT_FAULT="inf-loss:rank=0:step=4"           rank 0's loss turns Inf in step 4
     MESHFIT_FAULT="sigterm:rank=0:step=3"            rank 0 receives SIGTERM during step 3
     MESHFIT_FAULT="kill-in-save:rank=0:step=5:delay=0.02"   rank 0 dies 0.02 s into the save after step 5
+    MESHFIT_FAULT="disk-full-in-save:rank=1:step=4"  rank 1 writes its files of the save after step 4, then
+                                                     fails as a full disk does (OSError ENOSPC)
 
 Several faults are separated by ';'. A fault fires only in the first attempt of a run (torchrun's
 TORCHELASTIC_RESTART_COUNT = 0), so a restarted run can recover from it.
@@ -15,6 +17,7 @@ TORCHELASTIC_RESTART_COUNT = 0), so a restarted run can recover from it.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import io
 import json
@@ -33,7 +36,7 @@ import torch
 from meshfit.memory.tracker import MemoryBudgetExceeded
 
 ENV_VAR = "MESHFIT_FAULT"
-KINDS = ("kill", "hang", "nan-grad", "inf-loss", "sigterm", "kill-in-save")
+KINDS = ("kill", "hang", "nan-grad", "inf-loss", "sigterm", "kill-in-save", "disk-full-in-save")
 
 
 class FaultSpecError(ValueError):
@@ -113,6 +116,21 @@ class Faults:
         timer.daemon = True
         timer.start()
         return timer
+
+
+    def storage_writer(self, step: int, folder: Path) -> Any:
+        """DCP's file writer for the save after `step`: None (DCP's default) unless a full disk is due."""
+        if not self._due("disk-full-in-save", step):
+            return None
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        class FullDisk(FileSystemWriter):
+            def write_data(self, plan: Any, planner: Any) -> Any:
+                super().write_data(plan, planner).wait()  # this rank's files are written, in part
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        _say(f"injected fault: the disk fills up during the save after step {step}")
+        return FullDisk(str(folder))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -92,5 +92,9 @@ def begin_run(cfg: Config, run_dir: Path, start_step: int) -> None:
 def write_result(run_dir: Path, result: dict[str, Any]) -> None:
     result = {**result, "finished_at": time.time()}
     tmp = run_dir / ".result.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(run_dir / "result.json")  # never a half-written result
+    try:
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(run_dir / "result.json")  # never a half-written result
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no empty leftover beside the previous result
+        raise
