@@ -53,6 +53,7 @@ def _workspace(ws: Path) -> None:
     (ws / "binary.yaml").write_bytes(b"\xff\xfe\x00\x81")
     (ws / "sec.toml").write_text("train = 5\n")
     (ws / "typo.yaml").write_text("trian:\n  steps: 1\ntrain:\n  stpes: 3\n")
+    (ws / "tiny.yaml").write_text("model:\n  preset: tiny\n")
     (ws / "notplan.json").write_text('{"format": "something else"}')
     (ws / "emptyplan.json").write_text('{"format": "meshfit-plan/1", "model": {}, "workload": {}, "layout": {}}')
     np.save(ws / "f32.npy", np.ones(100, dtype=np.float32))
@@ -276,7 +277,10 @@ RUN_DIR = [
     case("resume-other-model", f"train {TINY} --resume --run-dir {{run}} --set model.preset=small",
          "cannot resume", "model.dim: saved 64, now 256"),
     case("resume-other-batch", "train --resume --run-dir {run} --set model.preset=tiny --set train.global_batch=4",
-         "cannot resume", "train.global_batch: saved 8, now 4", "train.seq_len: saved 32"),
+         "cannot resume", "train.global_batch: saved 8, now 4", "the run's own settings"),
+    case("resume-other-batch-and-config", "train --resume --run-dir {run} --config {ws}/tiny.yaml",
+         "cannot resume", "train.seq_len: saved 32, now 128", "without --config or --plan resumes with the run's "
+         "own settings"),
     case("resume-from-not-a-checkpoint", "train --resume-from {ws}/adir --run-dir {ws}/r", "--resume-from",
          "meshfit.json is missing"),
     case("resume-from-a-run-folder", "train --resume-from {run} --run-dir {ws}/r", "--resume-from",

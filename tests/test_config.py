@@ -110,3 +110,42 @@ def test_a_set_dp_replicate_under_ddp_is_not_completed_by_an_unset_dp_shard():
     """zero_stage=0 shards nothing: the error names the degrees given, not a dp_shard nobody set."""
     with pytest.raises(ConfigError, match=r"1 × 2 × 1 × 1 × 1 = 2, but the world size is 4"):
         resolve_run(load_config(None, ["parallel.dp_replicate=2", "parallel.zero_stage=0"]), 4)
+
+
+@pytest.mark.parametrize("override, field, hint", [
+    ("train.lr=inf", "train.lr", "finite"),
+    ("train.lr=-inf", "train.lr", "finite"),
+    ("train.lr=nan", "train.lr", "finite"),
+    ("train.timeout_s=inf", "train.timeout_s", "finite"),
+    ("train.grad_clip=inf", "train.grad_clip", "finite"),
+    ("model.rope_theta=inf", "model.rope_theta", "finite"),
+    ("train.steps=12345678901234567890", "train.steps", "at most 1,000,000,000"),
+    ("parallel.tp=123456789012345678901", "parallel.tp", "at most 9,007,199,254,740,992"),
+])
+def test_infinite_and_absurd_values_are_refused(override, field, hint):
+    with pytest.raises(ConfigError, match=f"{field}: .*{hint}"):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("text, field", [("train:\n  steps: true\n", "train.steps"),
+                                         ("train:\n  lr: false\n", "train.lr"),
+                                         ("parallel:\n  tp: true\n", "parallel.tp")])
+def test_booleans_are_never_read_as_numbers(tmp_path, text, field):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=f"{field}: must be a number, not the boolean"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "ok.yaml").write_text("checkpoint:\n  async_save: true\n")
+    assert load_config(tmp_path / "ok.yaml").checkpoint.async_save is True
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("c.yaml", "train:\n  steps: 5\n  lr: 0.1\n  steps: 7\n", "key 'steps' is given twice (lines 2 and 4)"),
+    ("c.yaml", "train:\n  steps: 5\ntrain:\n  lr: 0.1\n", "key 'train' is given twice (lines 1 and 3)"),
+    ("c.json", '{"train": {"steps": 5,\n "steps": 7}}', "key 'steps' is given twice in one object (lines 1, 2)"),
+    ("c.toml", "[train]\nsteps = 5\nsteps = 7\n", "key 'steps' is given twice (again at line 3)"),
+])
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / name)
+    assert message in str(caught.value) and str(tmp_path / name) in str(caught.value)

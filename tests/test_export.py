@@ -65,15 +65,41 @@ def test_training_starts_from_exported_weights_under_any_layout(tmp_path: Path) 
 
 
 def test_bad_export_and_init_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A broken model.init_from is refused before any rank starts (exit 2, one line, no run directory):
+    not safetensors, truncated, another model's names or shapes."""
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf")]) == 2
     assert "nothing does not exist: give a step-N checkpoint folder" in capsys.readouterr().err
-    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
-    outcome = launch(load_config(None, [*PARITY_BASE, f"model.init_from={tmp_path / 'bad.safetensors'}"]),
-                     tmp_path / "run")
-    assert not outcome.ok and "bad.safetensors cannot be read as safetensors" in outcome.message
     run_dir = _trained(tmp_path / "small")
     main(["export", str(run_dir), "--out", str(tmp_path / "hf")])
-    outcome = launch(load_config(None, [*PARITY_BASE, "model.dim=128", f"model.init_from={tmp_path / 'hf'}"]),
-                     tmp_path / "run2")
-    assert not outcome.ok and "has shape (256, 64) there, the model needs (256, 128)" in outcome.message
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    whole = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(whole[:len(whole) // 2])
+    cases = [
+        ("bad.safetensors", [], "bad.safetensors cannot be read as safetensors"),
+        ("cut", [], "cut/model.safetensors cannot be read as safetensors"),
+        ("hf", ["model.dim=128"], "has shape (256, 64) there, the model needs (256, 128)"),
+        ("hf", ["model.n_layers=3"], "the weights have no tensor for 'layers.2."),
+    ]
+    capsys.readouterr()
+    for folder, overrides, message in cases:
+        sets = [x for item in [*overrides, f"model.init_from={tmp_path / folder}"] for x in ("--set", item)]
+        code = main(["train", *sets, "--nproc", "2", "--run-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], (folder, err)
+        assert not (tmp_path / "run").exists()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_size"] == 64
+
+
+def test_the_start_line_names_offload_compile_and_starting_weights(tmp_path: Path) -> None:
+    from meshfit.train.launch import banner
+    from meshfit.train.shape import resolve_run
+
+    main(["export", str(_trained(tmp_path / "small")), "--out", str(tmp_path / "hf")])
+    plain = load_config(None, PARITY_BASE)
+    line = banner(plain, resolve_run(plain, 2), tmp_path, 2, None)
+    assert not [word for word in ("offloaded", "compiled", "weights from") if word in line], line
+    cfg = load_config(None, [*PARITY_BASE, "parallel.dp_shard=2", "parallel.offload=true", "train.compile=true",
+                             f"model.init_from={tmp_path / 'hf'}"])
+    line = banner(cfg, resolve_run(cfg, 2), tmp_path, 2, None)
+    assert f", offloaded to host memory, compiled blocks, weights from {tmp_path / 'hf'}; steps up to" in line, line

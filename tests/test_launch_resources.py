@@ -138,6 +138,9 @@ def test_a_failed_launch_leaves_no_process(tmp_path):
                         MESHFIT_FAULT="kill:rank=1:step=2")
     _, err = launcher.communicate(timeout=150)
     assert launcher.returncode == 1 and "killing this rank at step 2" in err, err
+    # The last line names the rank that died and its signal, before what the other rank then saw.
+    assert err.strip().splitlines()[-1].startswith("error: rank 1 died, killed by SIGKILL (the out-of-memory "
+                                                   "killer, or kill -9"), err
     assert _gone(tag, within_s=5) == []
 
 

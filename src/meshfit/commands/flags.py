@@ -4,6 +4,7 @@ before anything is computed."""
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str
 
 
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
-positive_float = _number(float, "a positive number", lambda v: v > 0)
+positive_float = _number(float, "a positive number", lambda v: 0 < v < math.inf)
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
 
 

@@ -67,32 +67,43 @@ def run(args: argparse.Namespace) -> int:
         if world > 1 and args.nproc is None and not under_torchrun():
             raise ConfigError(f"--plan {args.plan} lays the model out over {world} ranks: add --nproc {world} "
                               f"(local ranks) or launch under torchrun with {world} processes in all")
+    config = args.config
     if args.resume or args.resume_from:
-        overrides = [*overrides, "checkpoint.resume=true"]
-        if args.resume_from:
-            overrides.append(f"checkpoint.resume_from={args.resume_from}")
+        overrides = [*overrides, "checkpoint.resume=true",
+                     f"checkpoint.resume_from={args.resume_from if args.resume_from else 'null'}"]
+        config = config or (None if args.plan else _own_config(args.run_dir))
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     if args.nproc and args.nproc > 1 and not under_torchrun():
         check_local_ranks(args.nproc, args.oversubscribe)
-    cfg = load_config(args.config, overrides, sections)
+    cfg = load_config(config, overrides, sections)
     if args.resume and not args.run_dir and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs the run to continue: give its --run-dir (or checkpoint.dir)")
     run_dir = args.run_dir or default_run_dir("train")
     outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts, overwrite=args.overwrite)
     if under_torchrun():
         if outcome.ok and os.environ.get("RANK") == "0":
-            _report(outcome, cfg, run_dir)  # the closing line, once for the job
+            _report(outcome, cfg, run_dir, resume_command(run_dir, None, True))  # once for the job
         elif not outcome.ok:
             tell_torchrun(f"error: {outcome.message}")
         # Leave without interpreter teardown (gloo's teardown race); exit code tells torchrun the outcome.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0 if outcome.ok else 1)
-    return _report(outcome, cfg, run_dir)
+    return _report(outcome, cfg, run_dir, resume_command(run_dir, args.nproc, False))
 
 
-def _report(outcome: Any, cfg: Any, run_dir: Path) -> int:
+def _own_config(run_dir: Path | None) -> Path | None:
+    """A resume given neither --config nor --plan continues with the settings the run itself recorded
+    (RUN_DIR/config.yaml, the resolved config of its last start); --set still applies on top."""
+    own = Path(run_dir) / "config.yaml" if run_dir else None
+    if own is None or not own.is_file():
+        return None
+    print(f"--resume: the run's own settings from {own} (--set changes them)", file=sys.stderr)
+    return own
+
+
+def _report(outcome: Any, cfg: Any, run_dir: Path, resume_hint: str) -> int:
     """Print how the run ended; the exit code: 0 finished or stopped by SIGTERM, 1 failed, 130 Ctrl-C."""
     if not outcome.ok:
         if outcome.failure is None and not outcome.began and (outcome.signal or _all_interrupted(outcome.exit_codes)):
@@ -107,8 +118,8 @@ def _report(outcome: Any, cfg: Any, run_dir: Path) -> int:
     if result.get("status") == "interrupted":
         signal_name = outcome.signal or result.get("signal") or "SIGTERM"
         saved = f"checkpoint {result['checkpoint']}" if result.get("checkpoint") else "no checkpoint (no step ended)"
-        print(f"stopped by {signal_name} after step {result['end_step']}; {saved}; continue with --resume "
-              f"--run-dir {run_dir}")
+        print(f"stopped by {signal_name} after step {result['end_step']}; {saved}; continue with "
+              f"{resume_hint}")
         return 130 if signal_name == "SIGINT" else 0
     if result["steps"] == 0:
         print(f"nothing to do: the run is already at step {result['end_step']} of {cfg.train.steps}")
@@ -116,6 +127,16 @@ def _report(outcome: Any, cfg: Any, run_dir: Path) -> int:
         print(f"done: steps {result['start_step'] + 1}–{result['end_step']}, final loss {result['final_loss']:.4f}; "
               f"metrics in {run_dir}/metrics.jsonl")
     return 0
+
+
+def resume_command(run_dir: Path, nproc: int | None, torchrun: bool) -> str:
+    """The command that continues a run, as it was started: the run's own config.yaml holds its settings
+    (however they were given), so only the rank count is repeated. Under torchrun: torchrun's own
+    command with --resume."""
+    if torchrun:
+        return f"--resume --run-dir {run_dir} in the same torchrun command"
+    ranks = f" --nproc {nproc}" if nproc and nproc > 1 else ""
+    return f"meshfit train --resume --run-dir {run_dir}{ranks}"
 
 
 def _all_interrupted(codes: dict[int, int]) -> bool:

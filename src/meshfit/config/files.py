@@ -4,6 +4,7 @@ the error every refused configuration raises."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,49 @@ def _parse_problem(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _toml_problem(exc: tomllib.TOMLDecodeError, text: str) -> str:
+    """tomllib's message, with the key of a duplicate named (its message gives only the position)."""
+    found = re.search(r"Cannot overwrite a value \(at line (\d+)", str(exc))
+    lines = text.splitlines()
+    if found and 0 < int(found.group(1)) <= len(lines):
+        line = int(found.group(1))
+        key = lines[line - 1].partition("=")[0].strip() or lines[line - 1].strip()
+        return f"key {key!r} is given twice (again at line {line}); keep one"
+    return _parse_problem(exc)
+
+
+class _DuplicateKey(ValueError):
+    """A mapping names one key twice: the later value would silently win."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} is given twice (lines {seen[key]} and "
+                                    f"{key_node.start_mark.line + 1}); keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _json_unique(text: str) -> Any:
+    """json.loads that refuses a key given twice in one object (json keeps the last), naming its line."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in items]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            lines = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(twice)}"\s*:', text)]
+            where = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
+            raise _DuplicateKey(f"key {twice!r} is given twice in one object{where}; keep one")
+        return dict(items)
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
 def read_config_file(path: Path, sections: tuple[str, ...]) -> dict[str, Any]:
     """The mapping of sections in a TOML, YAML or JSON config file; ConfigError naming the file otherwise."""
     valid = "expected a .toml, .yaml, .yml or .json config file"
@@ -40,12 +84,14 @@ def read_config_file(path: Path, sections: tuple[str, ...]) -> dict[str, Any]:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         else:
-            data = json.loads(text)
+            data = _json_unique(text)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}); {valid}") from None
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} cannot be parsed as TOML: {_toml_problem(exc, text)}") from None
+    except (yaml.YAMLError, json.JSONDecodeError, _DuplicateKey) as exc:
         raise ConfigError(f"config file {path} cannot be parsed as {_FORMATS[path.suffix]}: "
                           f"{_parse_problem(exc)}") from None
     except OSError as exc:

@@ -4,10 +4,11 @@ typed, with its default and its bounds."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from meshfit.config.files import ConfigError
 from meshfit.layout.data_parallel_kind import DEFAULT_MAX_UNIT_PARAMS
@@ -15,10 +16,39 @@ from meshfit.layout.recompute import AC_EVERY, AC_MODES
 from meshfit.layout.schedules import SCHEDULES
 from meshfit.util.units import parse_bytes
 
+# A count of steps beyond this is a typo (the longest published pre-training runs take about 10^6 steps);
+# any other integer beyond 2^53 could not even be held exactly by the float arithmetic the planner does.
+MAX_STEPS = 10**9
+MAX_INT = 2**53
+STEP_COUNTS = ("steps", "stop_after", "warmup_steps", "log_every", "eval_every", "interval")
+
+
+def _takes(annotation: Any, kind: type) -> bool:
+    """Whether a field's annotation admits values of `kind` (bool, or a Literal / Optional around it)."""
+    return annotation is kind or any(_takes(arg, kind) for arg in typing.get_args(annotation))
+
 
 class _Section(BaseModel):
-    # extra="forbid" turns a typo such as `train.stpes` into an error naming the unknown key.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # extra="forbid" turns a typo such as `train.stpes` into an error naming the unknown key;
+    # allow_inf_nan=False refuses ±inf and NaN in every float key (none of them means anything infinite).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # Python's bool is an int: `steps: true` in YAML would otherwise train 1 step.
+        if isinstance(value, bool) and not _takes(cls.model_fields[info.field_name].annotation, bool):
+            raise ValueError(f"must be a number, not the boolean {str(value).lower()}")
+        return value
+
+    @field_validator("*")
+    @classmethod
+    def _sane_count(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            limit = MAX_STEPS if info.field_name in STEP_COUNTS else MAX_INT
+            if abs(value) > limit:
+                raise ValueError(f"{value} is beyond any real run (at most {limit:,})")
+        return value
 
 
 class ModelSection(_Section):

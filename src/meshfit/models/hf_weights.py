@@ -148,6 +148,24 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+def check_hf(path: str | Path, cfg: ModelConfig) -> None:
+    """model.init_from checked from the safetensors headers alone (no tensor is read): the files are
+    present and whole, and their names and shapes are the model's; ValueError naming what is wrong."""
+    from meshfit.models.build import build_model
+    from meshfit.models.init import check_weights
+
+    path = Path(path)
+    shapes: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as handle:  # checks the header against the file size
+                for key in handle.keys():
+                    shapes[key] = torch.empty(handle.get_slice(key).get_shape(), device="meta")
+        except Exception as exc:  # safetensors raises its own error types for damaged headers
+            raise ValueError(f"model.init_from: {file} cannot be read as safetensors: {exc}") from None
+    check_weights(build_model(cfg, device="meta"), from_hf(shapes, cfg, str(path)), cfg)
+
+
 def load_hf(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Full fp32 meshfit weights from a folder of *.safetensors (or one file); checked against `cfg`."""
     path = Path(path)

@@ -113,6 +113,13 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
     target.copy_(local)
 
 
+def check_weights(model: nn.Module, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Every parameter of ``model`` has a tensor of its shape in ``weights`` (meta tensors suffice: only
+    names and shapes are compared); ValueError naming the first that does not."""
+    for raw_name, param in model.named_parameters():
+        _given(weights, canonical_name(raw_name, cfg), param.shape, cfg)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, cfg: ModelConfig,
                  weights: dict[str, torch.Tensor] | None = None) -> None:

@@ -54,7 +54,20 @@ class Outcome:
         others = [r for r in self.failed_ranks if r != self.failure["rank"]]
         label = "rank" if len(others) == 1 else "ranks"
         also = f" ({label} {', '.join(map(str, others))} failed too)" if others else ""
+        # A rank killed by a signal writes no report: the others' reports only say that a peer vanished
+        # (gloo's "Connection reset by peer"), so the dead rank comes first.
+        died = [f"rank {r} died, {_exit_text(c)}{_SIGNAL_CAUSES.get(-c, '')}"
+                for r, c in sorted(self.exit_codes.items()) if c < 0 and r not in self.failed_ranks]
+        if died:
+            return (f"{'; '.join(died)}. Then rank {self.failure['rank']} failed: "
+                    f"{self.failure['message'].splitlines()[0]}{also}")
         return self.failure["message"] + also
+
+
+# What usually sends the signal a rank died of.
+_SIGNAL_CAUSES = {signal.SIGKILL: " (the out-of-memory killer, or kill -9; `dmesg` names the killer's victims)",
+                  signal.SIGSEGV: " (a crash in native code)", signal.SIGBUS: " (a crash in native code)",
+                  signal.SIGABRT: " (native code aborted)"}
 
 
 def _exit_text(code: int) -> str:
@@ -121,10 +134,15 @@ def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: 
     steps = cfg.train.steps if cfg.train.stop_after is None else min(cfg.train.steps, cfg.train.stop_after)
     first = "" if start_step is None else f" from step {start_step + 1}"
     precision = "bf16 mixed" if shape.mixed_precision else "fp32"
+    # Switches that change what a step costs or where the weights come from, named when on.
+    switches = [text for on, text in ((cfg.parallel.offload, "offloaded to host memory"),
+                                      (cfg.train.compile, "compiled blocks"),
+                                      (cfg.model.init_from, f"weights from {cfg.model.init_from}")) if on]
     return (f"meshfit train: model {model_name(cfg.model.preset, model)}, {fmt_count(num_params(model))} params ({model.n_layers} "
             f"layers, dim {model.dim}), layout {shape.dims.describe()}{stage}, {world} rank"
-            f"{'s' if world > 1 else ''}, {precision}; steps up to {steps}{first} of {cfg.train.steps}, "
-            f"global batch {cfg.train.global_batch} × {cfg.train.seq_len} tokens; run directory {run_dir}")
+            f"{'s' if world > 1 else ''}, {precision}{''.join(', ' + text for text in switches)}; steps up to "
+            f"{steps}{first} of {cfg.train.steps}, global batch {cfg.train.global_batch} × {cfg.train.seq_len} "
+            f"tokens; run directory {run_dir}")
 
 
 def collect(run_dir: Path, exit_codes: dict[int, int] | None = None, since: float = 0.0) -> Outcome:

@@ -200,8 +200,11 @@ def check_resume(cfg: Config, run_dir: Path, model: Any) -> Resume:
                  "position counts sequences of the saved shape)"
                  for key in SHAPE_KEYS if key in saved_train and saved_train[key] != getattr(cfg.train, key)]
     if problems:
+        own = Path(run_dir) / "config.yaml"
+        hint = (f"; `--resume --run-dir {run_dir}` without --config or --plan resumes with the run's own "
+                f"settings ({own})" if own.is_file() else "")
         raise ConfigError(f"cannot resume from {folder}: it was saved by another run shape; set these as saved "
-                          "(or start a new run in another --run-dir):\n  " + "\n  ".join(problems))
+                          f"(or start a new run in another --run-dir){hint}:\n  " + "\n  ".join(problems))
     changed = [f"train.{key} {saved_train[key]!r} → {getattr(cfg.train, key)!r}" for key in SCHEDULE_KEYS
                if key in saved_train and saved_train[key] != getattr(cfg.train, key)]
     lines = [f"warning: resuming with a changed learning-rate schedule ({', '.join(changed)}): from the first "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from meshfit.layout.rules import default_zero_stage, layout_error
 from meshfit.layout.schedules import default_virtual_stages
 from meshfit.models import ModelConfig
 from meshfit.models.config import pad_vocab_for_tp
-from meshfit.models.hf_weights import safetensors_files
+from meshfit.models.hf_weights import check_hf
 from meshfit.parallel.compile import toolchain_error
 from meshfit.parallel.context_parallel import cp_degree_error
 from meshfit.parallel.dims import ParallelDims, divisors
@@ -128,10 +129,11 @@ def _check_data(cfg: Config, vocab_size: int) -> None:
             raise ConfigError(f"data.path: {exc}") from None
 
 
-def _check_init_from(cfg: Config) -> None:
+def _check_init_from(cfg: Config, model: Any) -> None:
+    """The starting weights' files, headers, names and shapes, before any rank reads them."""
     if cfg.model.init_from:
         try:
-            safetensors_files(cfg.model.init_from)
+            check_hf(cfg.model.init_from, model)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -201,7 +203,6 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         )
     _check_data(cfg, model.vocab_size)
     check_held_out(cfg)
-    _check_init_from(cfg)
     _check_memory(cfg)
     _check_compile(cfg)
     stage = _layout(cfg, dims)
@@ -212,6 +213,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     if dims.tp > 1 and (error := tp_degree_error(model, dims.tp, cfg.train.seq_len // dims.cp, p.sp, seq_field)):
         raise ConfigError(error)
     model = _padded(cfg, model, dims.tp)
+    _check_init_from(cfg, model)
     stages, microbatches = None, 1
     if dims.pp > 1:
         local = _batch_shape(cfg, dims, None)[0]
