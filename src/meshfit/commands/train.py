@@ -41,6 +41,9 @@ def add_parser(sub: Any, epilog: str) -> argparse.ArgumentParser:
                             "are deleted); without it such a start is refused")
     train.add_argument("--resume-from", type=Path, metavar="CHECKPOINT",
                        help="continue from exactly this step-N checkpoint folder (no fallback)")
+    train.add_argument("--new-data", action="store_true",
+                       help="with --resume/--resume-from: continue on other data than the checkpoint was saved "
+                            "on (another data.path, or changed files); the metrics record what changed")
     train.add_argument("--oversubscribe", action="store_true", help=OVERSUBSCRIBE_HELP)
     train.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="with --nproc: restart every rank up to N times after a rank fails; each "
@@ -68,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--plan {args.plan} lays the model out over {world} ranks: add --nproc {world} "
                               f"(local ranks) or launch under torchrun with {world} processes in all")
     config = args.config
+    if args.new_data:
+        if not (args.resume or args.resume_from):
+            raise ConfigError("--new-data continues a run on other data: give it with --resume or --resume-from")
+        overrides = [*overrides, "checkpoint.new_data=true"]
     if args.resume or args.resume_from:
         overrides = [*overrides, "checkpoint.resume=true",
                      f"checkpoint.resume_from={args.resume_from if args.resume_from else 'null'}"]

@@ -282,6 +282,9 @@ class CheckpointSection(_Section):
     dir: str | None = None  # default: RUN_DIR/checkpoints
     resume: bool = False  # continue from the latest complete checkpoint in `dir` (if there is one)
     resume_from: str | None = None  # continue from exactly this checkpoint folder (no fallback)
+    # A resume continues only on the data its checkpoint was saved on (path, size, contents, tokenizer),
+    # unless this is set (--new-data): then the first resumed step's metrics record what changed.
+    new_data: bool = False
 
     @field_validator("interval")
     @classmethod

@@ -11,6 +11,8 @@ another (FSDP, TP, PP, one process). Folders, markers and damage checks: see che
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import shutil
 import sys
@@ -74,8 +76,17 @@ def _full_state(run: Any, step: int) -> tuple[dict[str, Any], dict[str, str]]:
     return state, back
 
 
-def _marker_info(run: Any, step: int) -> dict[str, Any]:
-    return {"step": step, "time": time.time(), "world_size": run.env.world_size,
+def launched_data(cfg: Config) -> dict[str, Any]:
+    """The data identity the launcher computed (and what a --new-data resume changed); computed here when
+    no launcher did (a run started in-process)."""
+    from meshfit.data.fingerprint import data_identity
+
+    text = os.environ.get(store.DATA_ENV)
+    return json.loads(text) if text else {"identity": data_identity(cfg.data), "changed": []}
+
+
+def _marker_info(run: Any, step: int, data: dict[str, Any] | None) -> dict[str, Any]:
+    return {"step": step, "time": time.time(), "world_size": run.env.world_size, "data": data,
             "layout": run.shape.dims.describe(), "zero_stage": run.shape.zero_stage,
             "model": run.cfg.model.model_dump(exclude={"init_from"}),
             "model_config": dataclasses.asdict(run.shape.model),
@@ -96,6 +107,8 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.last_folder: Path | None = None
         self.save_seconds: list[float] = []  # how long each save blocked training
+        # What the run trains on, as rank 0 records it in each checkpoint's marker.
+        self.data = launched_data(cfg) if rank == 0 and self.root is not None else None
         # Async saves coordinate on their own group, so their background collectives never interleave
         # with the training step's.
         self.group = dist.new_group(backend="gloo") if section.async_save and self.root else None
@@ -128,7 +141,7 @@ class Checkpointer:
         dist.barrier()
         state, _ = _full_state(run, step)
         timer = self.faults.during_save(step) if self.faults else None
-        info = _marker_info(run, step)
+        info = _marker_info(run, step, self.data["identity"] if self.data else None)
         background = self.group is not None
         total = _all_ranks_bytes(state, run.env.device)
         announce = total >= ANNOUNCE_BYTES

@@ -28,6 +28,8 @@ DAMAGED = "damaged"  # ROOT/damaged/: checkpoints a resume skipped, kept for the
 # Set by the launcher for its ranks: the checkpoint it verified ("FOLDER\tMARKER_SHA256"), so rank 0 does
 # not hash the same files again (see `trusted_by_launcher`).
 VERIFIED_ENV = "MESHFIT_VERIFIED_CHECKPOINT"
+# The data the launcher identified (data/fingerprint.py) and what changed at a --new-data resume, as JSON.
+DATA_ENV = "MESHFIT_DATA"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfit.config import Config
+from meshfit.data.fingerprint import data_identity
 from meshfit.train import checkpoint_store as store
 from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
@@ -250,9 +251,10 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
         if leader:  # one process at a time in a run directory, from its checks to the end of the run
             held.enter_context(preflight.held(run_dir))
         removed, resume = [], preflight.Resume()
+        data = data_identity(cfg.data) if leader else None  # what a checkpoint records it trained on
         if leader and not restarted:
             removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
-            resume = preflight.check_resume(cfg, run_dir, shape.model) if resuming else resume
+            resume = preflight.check_resume(cfg, run_dir, shape.model, data) if resuming else resume
         if leader:  # every check passed: a damaged checkpoint the resume skips moves aside, named
             lines = [*resume.lines, *preflight.set_aside_damaged(cfg, run_dir, resume)]
             for line in [*lines, banner(cfg, shape, run_dir, world, resume.step)]:
@@ -264,6 +266,8 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
                 print(note, file=sys.stderr, flush=True)
         # The ranks load the checkpoint checked above without hashing its files again.
         verified = {store.VERIFIED_ENV: store.launcher_token(resume.folder)} if resume.folder else {}
+        if data is not None:
+            verified[store.DATA_ENV] = json.dumps({"identity": data, "changed": resume.data_changed})
         with _environ(verified):
             return _start(cfg, run_dir, nproc, max_restarts, removed)
 

@@ -165,9 +165,10 @@ class Resume:
     step: int | None = None  # the step it continues from (0: no checkpoint yet, a fresh start)
     folder: Path | None = None  # the checkpoint it loads, its files verified
     damaged: list[tuple[Path, str]] = dataclasses.field(default_factory=list)  # skipped: (folder, what is wrong)
+    data_changed: list[str] = dataclasses.field(default_factory=list)  # accepted with --new-data
 
 
-def check_resume(cfg: Config, run_dir: Path, model: Any) -> Resume:
+def check_resume(cfg: Config, run_dir: Path, model: Any, data: dict[str, Any] | None = None) -> Resume:
     """Choose and verify the checkpoint a resume loads: every file against the SHA-256 in its marker
     (checkpoint_store.pick), the newest intact one for --resume, the pinned one for --resume-from. Raises
     ConfigError when that one is damaged (or every one is) or holds another model or batch shape; changes
@@ -209,8 +210,28 @@ def check_resume(cfg: Config, run_dir: Path, model: Any) -> Resume:
                if key in saved_train and saved_train[key] != getattr(cfg.train, key)]
     lines = [f"warning: resuming with a changed learning-rate schedule ({', '.join(changed)}): from the first "
              "resumed step on, the learning rate follows the new schedule"] if changed else []
+    data_changed = _data_changes(cfg, folder, marker, data)
+    if data_changed:
+        lines.append(f"warning: --new-data: continuing on other data than {folder} was saved on "
+                     f"({'; '.join(data_changed)}); the first resumed step's metrics record it")
     step = marker["step"] if isinstance(marker["step"], int) else None
-    return Resume(lines, step, folder, damaged)
+    return Resume(lines, step, folder, damaged, data_changed)
+
+
+def _data_changes(cfg: Config, folder: Path, marker: dict[str, Any], data: dict[str, Any] | None) -> list[str]:
+    """How the data differs from what the checkpoint trained on; ConfigError unless --new-data. A saved
+    data position counts sequences of the saved data: in other data it points at other tokens."""
+    from meshfit.data.fingerprint import identity_differences
+
+    saved = marker.get("data")
+    if not isinstance(saved, dict) or data is None:  # a checkpoint from before data was recorded
+        return []
+    differences = identity_differences(saved, data)
+    if differences and not cfg.checkpoint.new_data:
+        raise ConfigError(f"cannot resume from {folder} on this data: it was saved on other data; give the "
+                          "data it trained on, or continue on this data with --new-data:\n  "
+                          + "\n  ".join(differences))
+    return differences
 
 
 def set_aside_damaged(cfg: Config, run_dir: Path, resume: Resume) -> list[str]:

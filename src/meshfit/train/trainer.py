@@ -227,6 +227,8 @@ def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, fa
             watchdog.arm(f"step {run.step + 1}")
             faults.at_step_start(run.step + 1)
             run.history.append(train_step(run, guard))
+            if ckpt.data and ckpt.data["changed"] and len(run.history) == 1:
+                run.history[-1]["new_data"] = ckpt.data["changed"]  # --new-data: what changed, once
             if evaluation_due(run):
                 watchdog.arm(f"the evaluation after step {run.step}")
                 run.history[-1].update(evaluate(run))

@@ -1,0 +1,79 @@
+"""What a run trains on, as a checkpoint records it: source, files, their bytes and a content fingerprint,
+tokenizer. A resume compares it with the data it is given, since a saved data position means nothing in
+other data (train/preflight.py).
+
+The fingerprint is SHA-256 of every file's name, size and content. Above FULL_HASH_BYTES of data in all it
+hashes SAMPLES evenly spaced blocks of SAMPLE_BYTES of each file instead (plus every size): hashing a
+terabyte corpus at each start would take longer than many runs' first hour. Such a fingerprint catches
+any change of size and any edit that touches a sampled block, not every byte changed in place;
+`identity["fingerprint"]` starts with the kind it is ("sha256:" or "sha256-sampled:").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from meshfit.data.files import _text_files
+
+FULL_HASH_BYTES = 1 << 30
+SAMPLES = 256
+SAMPLE_BYTES = 1 << 20
+
+
+def data_files(source: str, path: str | os.PathLike) -> list[Path]:
+    """The files a data source reads, as the loaders list them."""
+    return _text_files(Path(path)) if source == "text" else [Path(path)]
+
+
+def _sampled(handle: Any, size: int, digest: Any) -> None:
+    if size <= SAMPLES * SAMPLE_BYTES:
+        digest.update(handle.read())
+        return
+    for i in range(SAMPLES):
+        handle.seek(i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
+        digest.update(handle.read(SAMPLE_BYTES))
+
+
+def fingerprint(files: list[Path]) -> tuple[str, str]:
+    """(kind, hex digest) of the files' names, sizes and contents; kind is "sha256" or "sha256-sampled"."""
+    sizes = [file.stat().st_size for file in files]
+    full = sum(sizes) <= FULL_HASH_BYTES
+    digest = hashlib.sha256()
+    for file, size in zip(files, sizes, strict=True):
+        digest.update(file.name.encode() + b"\0" + size.to_bytes(8, "little"))
+        with open(file, "rb") as handle:
+            if full:
+                for block in iter(lambda: handle.read(1 << 24), b""):
+                    digest.update(block)
+            else:
+                _sampled(handle, size, digest)
+    return ("sha256" if full else "sha256-sampled"), digest.hexdigest()
+
+
+def data_identity(data: Any) -> dict[str, Any]:
+    """The identity of a config's data section (synthetic data: its source alone; the seed is train's)."""
+    if data.source == "synthetic":
+        return {"source": "synthetic"}
+    files = data_files(data.source, data.path)
+    kind, digest = fingerprint(files)
+    return {"source": data.source, "path": str(Path(data.path).resolve()), "files": len(files),
+            "bytes": sum(file.stat().st_size for file in files), "fingerprint": f"{kind}:{digest}",
+            "tokenizer": data.tokenizer,
+            "token_dtype": data.token_dtype}
+
+
+def identity_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`data.key: saved …, now …` for each part of the identity that differs (contents by fingerprint)."""
+    lines = []
+    for key in dict.fromkeys([*saved, *now]):
+        if saved.get(key) != now.get(key):
+            what = "contents (fingerprint)" if key == "fingerprint" else key
+            lines.append(f"data {what}: saved {_short(saved.get(key))}, now {_short(now.get(key))}")
+    return lines
+
+
+def _short(value: Any) -> str:
+    return f"{value[:value.index(':') + 13]}…" if isinstance(value, str) and value.startswith("sha256") else repr(value)
