@@ -6,8 +6,8 @@ Each round calibrates fresh (`meshfit calibrate`'s measurement on 2 CPU ranks wi
 --calib-seq, as `meshfit calibrate --nproc 2 --model small --seq-len 128` does), then predicts and trains each
 layout below (every other round in reverse order) and compares the prediction with the median steady step
 (step_time_accuracy.measured). The layouts vary what the calibration did not see: micro-batches of 1 to 8,
-sequences of 64 to 512 tokens, tensor parallelism with and without sequence parallelism, pipeline schedules,
-ZeRO stages, recompute policies, context parallelism and compiled blocks. Prints every layout's prediction,
+sequences of 64 to 512 tokens, tensor parallelism with every combination of sequence and loss parallelism,
+offloading, pipeline schedules, ZeRO stages, recompute policies, context parallelism and compiled blocks. Prints every layout's prediction,
 measurement and error per round, then the medians over the rounds and Spearman's rank correlation.
 Figures, not a test; about 5 minutes per round on 2 cores.
 """
@@ -50,6 +50,10 @@ LAYOUTS: dict[str, tuple[Workload, Layout]] = {
     "tp2 sp mb8 s128": (_w(128, 16), Layout(tp=2, sp=True, loss_parallel=True, micro_batch=8)),
     "tp2 sp full mb4 s128": (_w(128, 8), Layout(tp=2, sp=True, loss_parallel=True, micro_batch=4,
                                                 activation_checkpointing="full")),
+    # Every combination of the layout's boolean switches under TP (sp, loss_parallel), and offload.
+    "tp2 sp no-lp mb8 s128": (_w(128, 16), Layout(tp=2, sp=True, loss_parallel=False, micro_batch=8)),
+    "tp2 lp no-sp mb4 s256": (_w(256, 8), Layout(tp=2, sp=False, loss_parallel=True, micro_batch=4)),
+    "zero3 offload mb4 s128": (_w(128, 16), Layout(dp_shard=2, zero_stage=3, offload=True, micro_batch=4)),
     "pp2 1f1b mb1 s128": (_w(128, 8), Layout(pp=2, schedule="1f1b", micro_batch=1)),
     "pp2 gpipe mb4 s512": (_w(512, 8), Layout(pp=2, schedule="gpipe", micro_batch=4)),
     "pp2 zbv mb2 s256": (_w(256, 8), Layout(pp=2, schedule="zbv", virtual_stages=2, micro_batch=2)),

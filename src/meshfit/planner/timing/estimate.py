@@ -48,7 +48,7 @@ from meshfit.layout.stage_split import balanced_split, head_flops, layer_flops
 from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.planner.memory.activations import gathered_kv_bytes
-from meshfit.planner.timing.comms import collective_s, cp_comm, dp_comm, exposed, tp_comm
+from meshfit.planner.timing.comms import collective_s, cp_comm, dp_comm, exposed, ring, tp_comm
 from meshfit.planner.timing.op_count import rank_ops
 
 if TYPE_CHECKING:
@@ -193,6 +193,17 @@ def _elementwise_s(ew: tuple[float, float, float, float], rank: tuple[int, bool,
     return tokens * moved / bandwidth, tokens * redo / bandwidth
 
 
+def _loss_parallel_delta_s(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: int, cbytes: int,
+                           bandwidth: float) -> float:
+    """Seconds per micro-batch that the layout's loss parallelism adds to (off) or saves from (on) the
+    head of a tensor-parallel rate measured the other way: the vocabulary-sharded logits gathered for the
+    loss, and the loss's element-wise work over the whole vocabulary instead of 1/tp of it."""
+    tp = layout.tp
+    gather = ring(cluster, "all_gather", 1, tp, mb_tokens * model.padded_vocab * cbytes)
+    whole_vocab = mb_tokens * _traffic(model, cbytes).vocab * (1.0 - 1.0 / tp) / bandwidth
+    return (gather + whole_vocab) * (-1.0 if layout.loss_parallel else 1.0)
+
+
 def _operators_s(model: ModelConfig, layout: Layout, workload: Workload, prof: HardwareProfile | None,
                  stage_blocks: tuple[int, ...], has_head: bool, m: int, tp_measured: bool) -> tuple[float, float]:
     """(seconds, of which re-run in backward) of the per-operator cost of the rank's ``m`` micro-batches:
@@ -267,9 +278,10 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     virtual = layout.virtual_stages if pp > 1 else 1
     # A tensor-parallel rate measured on the model itself (calibrate --model) holds what the split costs
     # beyond the split matmuls, its collectives included: they are not added again below. It was measured
-    # with sequence and loss parallelism both on or both off.
-    measured_tp = prof is not None and tp > 1 and layout.sp == layout.loss_parallel
-    tp_rate = prof.tp_rate(precision, tp, layout.sp) if measured_tp else None
+    # with sequence and loss parallelism both on or both off; a layout with one of them on uses the
+    # measurement of its sequence parallelism (the blocks' work) and the difference loss parallelism makes
+    # to the head (_loss_parallel_delta_s).
+    tp_rate = prof.tp_rate(precision, tp, layout.sp) if prof is not None and tp > 1 else None
     rate = (tp_rate[0] if tp_rate is not None else peak) * efficiency
     # Memory-bound element-wise work, unless a rate measured on the model itself holds it already.
     in_rate = prof is not None and (prof.model_flops is not None or tp_rate is not None)
@@ -314,6 +326,8 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
 
     ew_s, ew_redo_s = _elementwise_s(ew, rank, 1.0 if ac == "op" else rerun, tokens, bandwidth)
     ops_s, ops_redo_s = _operators_s(model, layout, workload, prof, stage_blocks, has_head, m, tp_rate is not None)
+    if tp_rate is not None and has_head and layout.loss_parallel != layout.sp:
+        tp_fixed_s += _loss_parallel_delta_s(model, layout, cluster, layout.micro_batch * s, cbytes, bandwidth) * m
     compute_s = (seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
                  + ops_s)
     recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s + ops_redo_s
