@@ -18,9 +18,11 @@ from meshfit.commands.plan_flags import (
     refuse_cpu_offload,
     refusing_bad_input,
     resolve_model,
+    resolve_seq_len,
     resolve_workload,
 )
 from meshfit.hardware.catalog import CPU, device_noun, is_cpu, mfu_basis
+from meshfit.layout.layout import Workload
 from meshfit.util.paths import check_out_file
 from meshfit.util.units import fmt_bytes, fmt_count, fmt_duration
 
@@ -69,20 +71,33 @@ def _say_how_sure(console: Console, gpu: Any, times: list[float], compiled: bool
                       "cannot tell which is faster.", highlight=False)
 
 
+def _refuse_untrainable(args: argparse.Namespace, seq: int) -> None:
+    """--out writes a plan for `meshfit train --plan`: refuse a workload that command would refuse."""
+    from meshfit.planner.planfile import check_trainable
+
+    try:
+        check_trainable(Workload(seq_len=seq, global_batch=1, precision=args.precision, optimizer=args.optimizer))
+    except ValueError as exc:
+        raise PlanInputError(f"--out writes a plan for `meshfit train --plan`, which would refuse this one: {exc}; "
+                             "or plan without --out") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from meshfit.planner.explain import explain
     from meshfit.planner.planfile import write_plan
     from meshfit.planner.search import Plan, evaluate, search
 
+    name, model = resolve_model(args.model, args.dims)
+    seq = resolve_seq_len(args, model)  # before --gpu cpu calibrates this machine
     if args.out is not None:  # checked before the search, which may take a while
         check_out_file(args.out, "--out", args.overwrite, "plan.json", make_parents=True)
-    name, model = resolve_model(args.model, args.dims)
+        _refuse_untrainable(args, seq)
     # Flags are checked before the cluster: --gpu cpu without --hardware calibrates this machine first.
     layout = layout_from_args(args) if args.layout else None
     if layout is not None:  # before --gpu cpu calibrates this machine
         refuse_cpu_offload(layout, (args.gpu or "").strip().lower() == CPU)
     cluster = resolve_cluster(args)
-    workload = resolve_workload(args, cluster.world_size)
+    workload = resolve_workload(args, model, cluster.world_size)
     if layout is not None:
         check_layout(model, layout, workload, cluster)
         plan = Plan(model=model, model_name=name, workload=workload, cluster=cluster,

@@ -17,6 +17,8 @@ from meshfit.layout.recompute import AC_MODES
 from meshfit.models.config import ATTENTIONS
 from meshfit.util.did_you_mean import did_you_mean
 
+DEFAULT_SEQ_LEN = 4096  # tokens, when the model has positions for them
+
 
 def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) -> None:
     g = parser.add_argument_group("model")
@@ -41,7 +43,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
     g.add_argument("--inter-node-gbps", type=positive_float, metavar="GB/s",
                    help="override the per-GPU inter-node bandwidth")
     g = parser.add_argument_group("workload")
-    g.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length in tokens (default 4096)")
+    g.add_argument("--seq-len", type=positive_int, default=None,
+                   help=f"sequence length in tokens (default {DEFAULT_SEQ_LEN}, or the model's max_seq_len when "
+                        "it has fewer positions)")
     g.add_argument("--global-batch", type=positive_int, default=None, metavar="SEQUENCES",
                    help="sequences per optimizer step (default: 4 per GPU)")
     g.add_argument("--global-batch-tokens", type=positive_int, default=None, metavar="TOKENS",
@@ -77,6 +81,7 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     if spec.endswith(".json") or Path(spec).is_file():
         try:
             name, model = Path(spec).parent.name or spec, model_from_hf_config(spec)
+            name = spec if name in PRESETS else name  # a preset's name stands for the preset's shape
         except ValueError as exc:  # the message starts with the file's name
             raise PlanInputError(f"--model {exc}") from None
     elif spec in PRESETS:
@@ -97,16 +102,34 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     return name, model
 
 
-def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
+def default_seq_len(model) -> int:
+    """--seq-len when not given: DEFAULT_SEQ_LEN tokens, or fewer where the model has fewer positions."""
+    return min(DEFAULT_SEQ_LEN, model.max_seq_len)
+
+
+def resolve_seq_len(args: argparse.Namespace, model) -> int:
+    """--seq-len, or its default for `model`; longer than the model's positions is refused, by the check
+    `meshfit train` makes (layout/model_fit.py)."""
+    from meshfit.layout.model_fit import seq_len_error
+
+    seq = args.seq_len or default_seq_len(model)
+    if error := seq_len_error(seq, model.max_seq_len, "--seq-len", "--dims max_seq_len=…"):
+        raise PlanInputError(error)
+    return seq
+
+
+def resolve_workload(args: argparse.Namespace, model, world: int) -> Workload:
+    """The workload of the flags for `model` on `world` ranks."""
+    seq = resolve_seq_len(args, model)
     batch = args.global_batch
     if args.global_batch_tokens is not None:
         if batch is not None:
             raise PlanInputError("give --global-batch (sequences) or --global-batch-tokens, not both")
-        if args.global_batch_tokens % args.seq_len:
+        if args.global_batch_tokens % seq:
             raise PlanInputError(f"--global-batch-tokens={args.global_batch_tokens} is not a multiple of "
-                                 f"--seq-len={args.seq_len}")
-        batch = args.global_batch_tokens // args.seq_len
-    workload = Workload(seq_len=args.seq_len, global_batch=batch or 4 * world, precision=args.precision,
+                                 f"--seq-len={seq}")
+        batch = args.global_batch_tokens // seq
+    workload = Workload(seq_len=seq, global_batch=batch or 4 * world, precision=args.precision,
                         optimizer=args.optimizer, attention=args.attention, dropout=args.dropout,
                         compiled=args.compile)
     workload.check()
@@ -115,10 +138,7 @@ def resolve_workload(args: argparse.Namespace, world: int) -> Workload:
 
 def check_layout(model, layout, workload: Workload, cluster: Cluster | None = None) -> None:
     """Refuse, naming the flags, a layout that cannot run this model and workload (on this cluster)."""
-    from meshfit.layout.rules import layout_error
-    from meshfit.parallel.context_parallel import cp_degree_error
-    from meshfit.parallel.dims import divisors
-    from meshfit.parallel.tensor_parallel import tp_degree_error
+    from meshfit.planner.layout_check import FLAGS, layout_fit_error
 
     if cluster is not None:
         refuse_cpu_offload(layout, is_cpu(cluster.gpu))
@@ -127,31 +147,8 @@ def check_layout(model, layout, workload: Workload, cluster: Cluster | None = No
                              f"({layout.describe()}: pp × dp_replicate × dp_shard × cp × tp), the cluster "
                              f"{cluster.world_size} (--nodes {cluster.nodes} × --gpus-per-node "
                              f"{cluster.gpus_per_node}): make the two equal")
-    if workload.seq_len > model.max_seq_len:
-        raise PlanInputError(f"--seq-len {workload.seq_len} exceeds the model's max_seq_len {model.max_seq_len}; "
-                             f"use --seq-len ≤ {model.max_seq_len} (or --dims max_seq_len=…)")
-    error = cp_degree_error(layout.cp, workload.seq_len) if layout.cp > 1 else None
-    error = error or layout_error(dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, tp=layout.tp,
-                                  pp=layout.pp, zero_stage=layout.zero_stage,
-                                  offload=layout.offload, sp=layout.sp, loss_parallel=layout.loss_parallel,
-                                  schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp,
-                                  mixed_precision=workload.precision != "fp32",
-                                  activation_checkpointing=layout.activation_checkpointing, config_names=True)
-    seq = "train.seq_len" if layout.cp == 1 else "train.seq_len/cp"
-    # Under context parallelism sequence parallelism splits each rank's part of the sequence.
-    error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp, seq)
-                      if layout.tp > 1 else None)
-    if error:
-        error = error.replace("parallel.", "--layout ").replace("pipeline.", "--layout ")
-        raise PlanInputError(error.replace("train.seq_len", "--seq-len"))
-    dp, batch = layout.dp, workload.global_batch
-    if batch % dp:
-        raise PlanInputError(f"--global-batch {batch} is not a multiple of the layout's data-parallel degree {dp} "
-                             f"(dp_replicate × dp_shard); valid: {', '.join(str(dp * k) for k in range(1, 5))}, …")
-    if (batch // dp) % layout.micro_batch:
-        raise PlanInputError(f"micro-batch {layout.micro_batch} (--micro-batch, or micro_batch in --layout) does "
-                             f"not divide the per-rank batch {batch // dp} (--global-batch {batch} / dp {dp}); "
-                             f"valid: {', '.join(map(str, divisors(batch // dp)))}")
+    if error := layout_fit_error(model, layout, workload, FLAGS):
+        raise PlanInputError(error)
 
 
 def refuse_cpu_offload(layout, cpu: bool) -> None:

@@ -56,7 +56,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.nodes is None and args.gpus_per_node is None:
         # No cluster given: the dry run measures the layout's own world size, on --gpu's memory.
         cluster = dataclasses.replace(cluster, nodes=1, gpus_per_node=layout.world_size)
-    workload = resolve_workload(args, layout.world_size)
+    workload = resolve_workload(args, model, layout.world_size)
     check_layout(model, layout, workload, cluster)
     predicted = estimate_memory(model, layout, workload).as_dict()
     console = Console(stderr=True)

@@ -24,6 +24,12 @@ def default_virtual_stages(schedule: str) -> int:
     return fixed if fixed is not None else 2
 
 
+def least_microbatches(schedule: str, pp: int) -> int:
+    """Fewest micro-batches per step the schedule runs on `pp` pipeline ranks: every schedule but GPipe
+    interleaves forwards and backwards, which needs the pipeline full (one micro-batch per rank)."""
+    return 1 if schedule == "gpipe" else pp
+
+
 def v_shaped(schedule: str) -> bool:
     """Stage r and 2p−1−r on rank r (the V schedules); otherwise round-robin."""
     return SCHEDULES[schedule][2]

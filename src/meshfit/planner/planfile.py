@@ -10,6 +10,7 @@ from typing import Any
 
 from meshfit.layout.layout import Layout, Workload
 from meshfit.models.config import ModelConfig
+from meshfit.planner.plan_consistency import consistency_error
 from meshfit.planner.search import Candidate, Plan
 from meshfit.util.jsonfile import read_json_object
 
@@ -27,8 +28,12 @@ def plan_document(plan: Plan, chosen: Candidate, top: int = 10) -> dict[str, Any
 
 
 def write_plan(path: Path, plan: Plan, chosen: Candidate) -> None:
+    """Write the plan file; its parts are first checked as `read_plan` checks them, so that what is written
+    is what `meshfit train --plan` reads back."""
+    doc = plan_document(plan, chosen)
+    plan_parts(doc, path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan_document(plan, chosen), indent=2) + "\n")
+    path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def _section(path: Path, doc: dict[str, Any], name: str, cls: type) -> dict[str, Any]:
@@ -48,6 +53,12 @@ def read_plan(path: str | Path) -> tuple[ModelConfig, str, Workload, Layout]:
     """(model, model name, workload, layout) of a plan file; ValueError naming the file and the field."""
     path = Path(path)
     doc = read_json_object(path, "plan file", f"write one with `meshfit plan … --out {path}`")
+    return plan_parts(doc, path)
+
+
+def plan_parts(doc: dict[str, Any], path: Path) -> tuple[ModelConfig, str, Workload, Layout]:
+    """The parts of a plan document, each checked and all checked against each other (plan_consistency.py);
+    ValueError naming `path` and the field."""
     if doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a meshfit plan (expected \"format\": \"{FORMAT}\")")
     model_fields = _section(path, doc, "model", ModelConfig)
@@ -62,7 +73,10 @@ def read_plan(path: str | Path) -> tuple[ModelConfig, str, Workload, Layout]:
         layout = Layout.from_dict(doc["layout"])
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from None
-    return model, str(doc["model"].get("name", "custom")), workload, layout
+    if error := consistency_error(doc, model, workload, layout):
+        raise ValueError(f"{path}: {error}. Its parts disagree, as in an edited plan: write the plan again with "
+                         "`meshfit plan … --out`")
+    return model, str(doc["model"]["name"]), workload, layout
 
 
 def check_trainable(workload: Workload) -> None:

@@ -14,10 +14,12 @@ from typing import Any
 
 from meshfit.hardware.catalog import CPU, Cluster
 from meshfit.layout.layout import Layout, Workload
+from meshfit.layout.model_fit import pipeline_model_error
 from meshfit.layout.recompute import AC_MODES
 from meshfit.layout.schedules import (
     SCHEDULES,
     fixed_virtual_stages,
+    least_microbatches,
     split_backward_error,
     split_backward_recompute_error,
 )
@@ -121,9 +123,9 @@ def _pipelines(model: ModelConfig, pp: int, micro: int) -> Iterator[tuple[str, i
     for schedule in SCHEDULES:
         fixed = fixed_virtual_stages(schedule)
         for virtual in ((fixed,) if fixed is not None else (2, 4)):
-            if pp * virtual > model.n_layers:
-                continue
-            if schedule != "gpipe" and micro < pp:
+            if pipeline_model_error(model, pp, virtual):
+                continue  # tied embeddings, or fewer layers than stages (layout/model_fit.py)
+            if micro < least_microbatches(schedule, pp):
                 continue  # the pipeline would never fill
             if schedule == "dualpipev" and micro < 2 * pp:
                 continue

@@ -14,8 +14,9 @@ import torch
 
 from meshfit.config import Config, ConfigError
 from meshfit.data import DataError, check_files
+from meshfit.layout.model_fit import pipeline_model_error, seq_len_error
 from meshfit.layout.rules import default_zero_stage, layout_error
-from meshfit.layout.schedules import default_virtual_stages
+from meshfit.layout.schedules import default_virtual_stages, least_microbatches
 from meshfit.models import ModelConfig
 from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.hf_weights import check_hf
@@ -42,24 +43,20 @@ class RunShape:
 
 def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: int) -> tuple[StagePlan, int]:
     pipe = cfg.pipeline
-    if model.tie_embeddings:
-        raise ConfigError("parallel.pp > 1 needs untied embeddings (the embedding and the head sit on different "
-                          "stages): set model.tie_embeddings=false")
+    virtual = pipe.virtual_stages or default_virtual_stages(pipe.schedule)
+    if error := pipeline_model_error(model, dims.pp, virtual):
+        raise ConfigError(error)
     if cfg.train.micro_batch is not None:
         raise ConfigError("train.micro_batch does not apply with parallel.pp > 1: set pipeline.microbatches "
                           "(micro-batches per step on each pipeline) instead")
-    virtual = pipe.virtual_stages or default_virtual_stages(pipe.schedule)
     n_stages = dims.pp * virtual
-    if n_stages > model.n_layers:
-        raise ConfigError(f"parallel.pp × pipeline.virtual_stages = {dims.pp} × {virtual} = {n_stages} stages, "
-                          f"but the model has {model.n_layers} layers; every stage needs at least one layer")
     counts = pipe.layers_per_stage
     if counts is not None and (len(counts) != n_stages or sum(counts) != model.n_layers or min(counts) < 1):
         raise ConfigError(f"pipeline.layers_per_stage={counts}: give {n_stages} positive counts "
                           f"(one per stage) that add up to {model.n_layers} layers")
     micro = pipe.microbatches or local_batch
     # The values offered must pass every check below: divisors of the batch, and ≥ pp unless GPipe.
-    least = 1 if pipe.schedule == "gpipe" else dims.pp
+    least = least_microbatches(pipe.schedule, dims.pp)
     valid = [d for d in divisors(local_batch) if d >= least]
     if local_batch % micro or micro < least:
         why = (f"does not divide the per-pipeline batch {local_batch} (train.global_batch / data-parallel degree)"
@@ -196,11 +193,8 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     model = cfg.model.resolve()
-    if cfg.train.seq_len > model.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={cfg.train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
-            f"use train.seq_len ≤ {model.max_seq_len} or raise model.max_seq_len"
-        )
+    if error := seq_len_error(cfg.train.seq_len, model.max_seq_len, "train.seq_len", "model.max_seq_len=…"):
+        raise ConfigError(error)
     _check_data(cfg, model.vocab_size)
     check_held_out(cfg)
     _check_memory(cfg)

@@ -1,0 +1,37 @@
+"""What a model asks of a workload and a layout, in one place for plan, verify, plan files and train: a
+position for every token of a sequence, and for pipeline stages enough layers and untied embeddings.
+
+Messages name the config's fields (train.seq_len, parallel.pp, pipeline.virtual_stages); a caller that
+speaks in flags or plan-file fields renames them, as it does for `layout_error`.
+"""
+
+from __future__ import annotations
+
+from meshfit.models.config import ModelConfig
+
+
+def seq_len_error(seq_len: int, max_seq_len: int, seq_field: str, raise_with: str) -> str | None:
+    """None when the model has a position for every token of a sequence; else the refusal.
+
+    `seq_field` is where the length was set (--seq-len, train.seq_len, workload.seq_len) and `raise_with`
+    how to give the model more positions from there (--dims max_seq_len=…, model.max_seq_len=…).
+    """
+    if seq_len <= max_seq_len:
+        return None
+    given = f"{seq_field} {seq_len}" if seq_field.startswith("--") else f"{seq_field}={seq_len}"
+    return (f"{given} exceeds the model's max_seq_len={max_seq_len} (the positions it has); use {seq_field} ≤ "
+            f"{max_seq_len} (or {raise_with})")
+
+
+def pipeline_model_error(model: ModelConfig, pp: int, virtual_stages: int) -> str | None:
+    """None when `pp` pipeline ranks of `virtual_stages` stages each can split this model; else why not."""
+    if pp == 1:
+        return None
+    if model.tie_embeddings:
+        return (f"parallel.pp={pp} needs untied embeddings (the embedding and the head sit on different stages), "
+                "but the model ties them: set model.tie_embeddings=false, or use pp=1")
+    stages = pp * virtual_stages
+    if stages > model.n_layers:
+        return (f"parallel.pp × pipeline.virtual_stages = {pp} × {virtual_stages} = {stages} stages, but the model "
+                f"has {model.n_layers} layers; every stage needs at least one layer")
+    return None
