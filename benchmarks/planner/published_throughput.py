@@ -1,6 +1,6 @@
 """The planner's step time (datasheet rates) against two published training throughputs.
 
-    python benchmarks/planner/published_throughput.py
+    python benchmarks/planner/published_throughput.py [--efficiency F]
 
 * torchtitan, Llama-3 8B on 8 × H100 (FSDP, bf16, local batch 2, seq 8192, selective activation
   checkpointing): 5,762 tokens/s per GPU in its performance docs. torchtitan's op-level policy re-runs every
@@ -18,6 +18,8 @@ Prints the plan's figure, its compute / element-wise split and the error. Figure
 
 from __future__ import annotations
 
+import argparse
+
 from meshfit.hardware.catalog import Cluster
 from meshfit.layout.layout import Layout, Workload
 from meshfit.models.config import ModelConfig, flops_per_token
@@ -29,6 +31,12 @@ GPT_1_7B = ModelConfig(family="gpt", dim=2304, n_layers=24, n_heads=24, n_kv_hea
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="what-if: matmuls at this fraction of the peak instead of the planner's EFFICIENCY")
+    eff = parser.parse_args().efficiency
+    if eff is not None:
+        print(f"what-if: matmuls and attention at {eff:.3f} of the peak (not the plan)")
     model, node = get_preset("llama3-8b"), Cluster("H100-SXM", nodes=1, gpus_per_node=8)
     work = Workload(seq_len=8192, global_batch=16, precision="mixed")
     published = 5762.0
@@ -36,7 +44,7 @@ def main() -> None:
           f"{published:,.0f} tokens/s per GPU")
     for ac in ("selective", "op", "none"):
         t = step_time(model, Layout(dp_shard=8, zero_stage=3, micro_batch=2, activation_checkpointing=ac),
-                      work, node)
+                      work, node, efficiency=eff)
         per_gpu = t.tokens_per_s / 8
         print(f"  {ac:9s} plan {per_gpu:7,.0f} tokens/s per GPU ({per_gpu / published - 1:+.0%}); step "
               f"{t.total_s:.2f} s, compute {t.compute_s:.2f} s of which element-wise {t.elementwise_s:.2f} s "
@@ -48,7 +56,8 @@ def main() -> None:
     g, s = GPT_1_7B, 2048
     paper = 96 * g.n_layers * g.dim**2 * (1 + s / (6 * g.dim) + g.vocab_size / (16 * g.n_layers * g.dim))
     for ac, per_token, label in (("none", flops_per_token(g, s), "model"), ("full", paper, "paper-formula")):
-        t = step_time(g, Layout(dp_replicate=32, micro_batch=16, activation_checkpointing=ac), work, cluster)
+        t = step_time(g, Layout(dp_replicate=32, micro_batch=16, activation_checkpointing=ac), work, cluster,
+                      efficiency=eff)
         tflops = t.tokens_per_s / 32 * per_token / 1e12
         print(f"  recompute {ac:4s} plan {tflops:.1f} {label} TFLOP/s per GPU ({tflops / 137 - 1:+.0%}); step "
               f"{t.total_s:.2f} s, element-wise {t.elementwise_s:.2f} s, recompute {t.recompute_s:.2f} s")
