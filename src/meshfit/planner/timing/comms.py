@@ -27,8 +27,11 @@ Part of the step-time model (planner/timing/estimate.py), in the same roofline s
   shard the weights too), DDP all-reduces over dp × cp.
 * Placement: the mesh is (pp, dp_replicate, dp_shard, cp, tp) outer to inner on consecutive ranks, so a
   group of ``size`` ranks ``stride`` apart stays in one node iff stride · size ≤ gpus_per_node (cp ranks
-  are tp apart, dp_shard × cp ranks too, replicas tp·dp_shard·cp); a group that spans nodes runs at the
-  per-GPU inter-node rate.
+  are tp apart, dp_shard × cp ranks too, replicas tp·dp_shard·cp). A collective over a group that spans
+  nodes runs as NCCL runs it: rings ordered node by node, one ring (channel) per NIC, so the traffic that
+  leaves a node is spread over the NICs of the group's k GPUs in that node and the bus bandwidth is
+  k × the per-GPU NIC rate, at most the intra-node rate (``node_nics``). A point-to-point send uses its
+  GPU's NIC.
 """
 
 from __future__ import annotations
@@ -55,14 +58,33 @@ COLLECTIVE_BW_EFFICIENCY = 0.8
 DDP_BUCKET_BYTES = 25 * 2**20
 
 
+def node_nics(cluster: Cluster, stride: int, size: int, op: str) -> int:
+    """NICs of one node that a collective ``op`` over ``size`` ranks ``stride`` apart (spanning nodes)
+    sends through: one per member of the group in the node (a point-to-point send: its GPU's own).
+
+    NCCL orders a ring node by node, so the ring leaves each node once, and runs one ring per NIC of the
+    node's members, so the traffic leaving a node splits over their NICs. Measured (nccl-tests all_reduce,
+    bus bandwidth): two HGX A100 nodes with four 200 Gb/s HDR NICs each, 91 GB/s (NVIDIA/nccl-tests issue
+    #100) and three servers of 8 A100 SXM4 with four HDR NICs, 84.8 GB/s on average and 96 GB/s at the
+    largest sizes (issue #119): 0.85–0.96 of the four NICs' 100 GB/s, against 25 GB/s for one NIC."""
+    if op == "send_recv":
+        return 1
+    return max(1, min(size, cluster.gpus_per_node // stride))
+
+
 def link(cluster: Cluster, stride: int, size: int, op: str) -> tuple[float, float]:
-    """(bytes/s per GPU, latency per hop) of ``op`` over ``size`` ranks ``stride`` apart in rank order: the
-    calibrated rates when the device has a profile, else the datasheet link at COLLECTIVE_BW_EFFICIENCY."""
+    """(bus bytes/s, latency per hop) of ``op`` over ``size`` ranks ``stride`` apart in rank order: the
+    calibrated rates when the device has a profile, else the datasheet link at COLLECTIVE_BW_EFFICIENCY:
+    within a node the intra-node rate, across nodes the NICs of the group's GPUs in a node (``node_nics``),
+    at most the intra-node rate."""
     gpu = cluster.gpu
     if gpu.profile is not None:
         return gpu.profile.link(size, op)
     if stride * size > cluster.gpus_per_node:
-        return gpu.inter_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTER_S
+        # The traffic still crosses the node's own links: no more than the intra-node rate (nor less than one NIC).
+        nics = node_nics(cluster, stride, size, op)
+        rate = min(nics * gpu.inter_node_bytes_per_s, max(gpu.intra_node_bytes_per_s, gpu.inter_node_bytes_per_s))
+        return rate * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTER_S
     return gpu.intra_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY, ALPHA_INTRA_S
 
 
