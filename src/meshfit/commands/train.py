@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         overrides = [*overrides, "checkpoint.resume=true",
                      f"checkpoint.resume_from={args.resume_from if args.resume_from else 'null'}"]
         config = config or (None if args.plan else _own_config(args.run_dir))
+    notes = [f"--resume: the run's own settings from {config} (--set changes them)"] \
+        if config is not None and config != args.config else []
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be ≥ 0, got {args.max_restarts}")
     if args.nproc and args.nproc > 1 and not under_torchrun():
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not args.run_dir and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs the run to continue: give its --run-dir (or checkpoint.dir)")
     run_dir = args.run_dir or default_run_dir("train")
-    outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts, overwrite=args.overwrite)
+    outcome = launch(cfg, run_dir, args.nproc, max_restarts=args.max_restarts, overwrite=args.overwrite,
+                     notes=notes)
     if under_torchrun():
         if outcome.ok and os.environ.get("RANK") == "0":
             _report(outcome, cfg, run_dir, resume_command(run_dir, None, True))  # once for the job
@@ -106,7 +109,6 @@ def _own_config(run_dir: Path | None) -> Path | None:
     own = Path(run_dir) / "config.yaml" if run_dir else None
     if own is None or not own.is_file():
         return None
-    print(f"--resume: the run's own settings from {own} (--set changes them)", file=sys.stderr)
     return own
 
 

@@ -232,13 +232,13 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
 
 
 def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: int = 0,
-           overwrite: bool = False) -> Outcome:
+           overwrite: bool = False, notes: list[str] | None = None) -> Outcome:
     """Validate, then train with `nproc` local ranks (None: one, or the ranks of an outer torchrun).
 
     Nothing is written before every check passed (preflight.py): a new run into a directory holding
     another run is refused unless `overwrite` (or checkpoint.resume continues it). `max_restarts`: with
     local ranks, restart them all up to that many times after a failure; each restart resumes from the
-    latest complete checkpoint."""
+    latest complete checkpoint. `notes`: lines printed before the start line once every check passed."""
     run_dir = Path(run_dir)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (nproc or 1)
     shape = resolve_run(cfg, world)  # raises ConfigError before any rank starts
@@ -256,7 +256,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
             removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
             resume = preflight.check_resume(cfg, run_dir, shape.model, data) if resuming else resume
         if leader:  # every check passed: a damaged checkpoint the resume skips moves aside, named
-            lines = [*resume.lines, *preflight.set_aside_damaged(cfg, run_dir, resume)]
+            lines = [*(notes or []), *resume.lines, *preflight.set_aside_damaged(cfg, run_dir, resume)]
             for line in [*lines, banner(cfg, shape, run_dir, world, resume.step)]:
                 print(line, file=sys.stderr, flush=True)
         if leader and cfg.data.source == "text":
