@@ -81,6 +81,10 @@ KINDS = {
     "pp-interleaved-fsdp": (Layout(pp=2, dp_shard=2, zero_stage=3, schedule="interleaved-1f1b", virtual_stages=2,
                                    micro_batch=1), MIXED_4),
     "gpt-eager": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2), EAGER, GPT),
+    # Pipelined replicas of 16-bit weight copies under TP: the first stage's embedding gradient held
+    # full-vocabulary in fp32, its dropout masks per micro-batch in flight.
+    "pp-tp-gpt-mixed": (Layout(pp=2, tp=2, sp=True, loss_parallel=True, micro_batch=1), EAGER,
+                        dataclasses.replace(GPT, tie_embeddings=False)),
     "gpt-eager-attention-long": (Layout(tp=2, sp=True, loss_parallel=True, micro_batch=2,
                                         activation_checkpointing="attention"), EAGER_LONG, GPT),
 }

@@ -119,6 +119,16 @@ def checkpointed_block_bytes(model: ModelConfig, *, mode: str, seq: int, batch: 
     return seq // cp * batch * model.dim * value_bytes(mode) / (tp if sp else 1)
 
 
+def embedding_bytes(model: ModelConfig, *, seq: int, batch: int, dropout: float, cp: int = 1) -> float:
+    """What the embedding keeps for the backward of one micro-batch on the first stage: GPT's dropout mask,
+    one byte per value of the rank's seq / cp tokens, whatever t and SP (learned positions are added to
+    the full token embeddings; the sequence split starts at block 0: parallel/tensor_parallel.py).
+    Korthikanti et al. count it on the first stage too (sbh·p/t under SP, where Megatron splits it)."""
+    if model.family != "gpt" or dropout <= 0:
+        return 0.0
+    return seq // cp * batch * model.dim
+
+
 def head_bytes(model: ModelConfig, layout: Layout, mode: str, tokens: int, held: int = 1,
                 transient: bool = True) -> float:
     """The last stage around the loss for ``held`` micro-batches whose forward is done and backward not.

@@ -24,7 +24,7 @@ from meshfit.layout.data_parallel_kind import data_parallel_kind, reduces_in_bac
 from meshfit.layout.layout import Layout, Workload
 from meshfit.layout.precision import STORAGE_BYTES, state_bytes
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
-from meshfit.planner.memory.activations import head_bytes, layout_activations
+from meshfit.planner.memory.activations import embedding_bytes, head_bytes, layout_activations
 from meshfit.planner.memory.formulas import pipeline_in_flight_microbatches
 from meshfit.planner.memory.phase_terms import (
     RootReduce,
@@ -63,6 +63,10 @@ class MemoryEstimate:
     pp_rank: int = 0  # pipeline rank of the most-loaded stage
     # Weights, gradients and optimizer states this rank holds between steps (see at_rest_dict).
     rest: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # The most activation bytes at any phase (what Korthikanti et al. count, with logits and temporaries).
+    # It can exceed `activations`, taken where the total peaks: under SP a pipeline's first stage peaks at
+    # a backward's end, its units all gathered and one micro-batch fewer in flight than at its start.
+    activation_peak: float = 0.0
     total: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -130,7 +134,26 @@ def _rank_estimate(model: ModelConfig, layout: Layout, workload: Workload, share
     totals = {name: sum(parts) for name, parts in phases.items()}
     phase = max(totals, key=totals.__getitem__)
     st = _states(layout, workload, share.params)
-    return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank, rest=(st.params, st.at_rest_grads, st.optim))
+    return MemoryEstimate(*phases[phase], phase=phase, pp_rank=rank, rest=(st.params, st.at_rest_grads, st.optim),
+                          activation_peak=max(parts[3] for parts in phases.values()))
+
+
+def _embedding_grad(model: ModelConfig, layout: Layout, c_bytes: int, r_bytes: int) -> tuple[float, float, float]:
+    """A pipelined first stage's embedding gradient under tensor parallelism, which torch makes
+    full-vocabulary (Stage3Terms' embedding_grad, embedding_copy, embedding_accumulator, in bytes).
+
+    ZeRO-3: full-vocabulary fp32 at a backward's end, and a reduce-dtype copy of the local gradient kept
+    between backwards (Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP). Replicas of 16-bit weight copies
+    (stage 0): it accumulates full-vocabulary in fp32, in place of the local accumulator, from the first
+    backward to the step's end, and each backward makes it in the compute dtype first (the dry run's
+    timeline, GPT-3 175B shapes, PP 8 × TP 8 with and without SP, 1F1B, mixed precision: 2.34 GiB held,
+    1.17 GiB more at a backward's end)."""
+    if layout.tp == 1:
+        return 0.0, 0.0, 0.0
+    full = model.padded_vocab * model.dim
+    if layout.zero_stage == 3:
+        return full * 4, full / layout.tp * r_bytes, 0.0
+    return full * c_bytes, 0.0, full * 4 - full / layout.tp * r_bytes
 
 
 def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share, rank: int,
@@ -151,6 +174,9 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     tokens = workload.seq_len // layout.cp * layout.micro_batch  # this rank's part of each sequence
     act_mb, recompute = layout_activations(model, layout, workload, share.layers, mode,
                                            share.rerun(layout.activation_checkpointing))
+    # One micro-batch's saved tensors on this rank: its blocks' and, on the first stage, the embedding's.
+    saved_mb = act_mb + (embedding_bytes(model, seq=workload.seq_len, batch=layout.micro_batch,
+                                         dropout=workload.dropout, cp=layout.cp) if share.first else 0.0)
     block_temps = BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
     local = workload.global_batch // layout.dp
     micro = max(1, local // layout.micro_batch)
@@ -169,7 +195,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
              if stashes_gradients(stage, workload.precision == "mixed", micro, layout.pp > 1) else 0.0)
     in_flight, grad_share = 1, 1.0  # grad_share: of the stages' accumulators, those alive at the peak
     if layout.pp > 1:
-        per_stage = act_mb / share.stages
+        per_stage = saved_mb / share.stages
         in_flight = pipeline_in_flight_microbatches(layout.schedule, layout.pp, rank, micro,
                                                     layout.virtual_stages)
         boundary = tokens * model.dim * (4 if mode == "fp32" else 2) / (layout.tp if layout.sp else 1)
@@ -192,7 +218,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         saved = stage_acts(model, layout, workload, mode, share, rank, micro, per_stage, in_flight)
         acts = saved + head + boundary * boundary_tensors(share.stages, share.last, in_flight)
     else:
-        acts = act_mb + head
+        acts = saved_mb + head
         grads_loss = stash or accumulated or (grads_full if micro > 1 else 0.0)
         if micro > 1 and layout.tp > 1 and share.last and (kind == "none" or accumulated):
             # Accumulating DTensor gradients is out of place: the head's new weight gradient exists next to
@@ -312,9 +338,6 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         phases["reduce in flight"] = (params + gathered, grads_loss + pending, optim,
                                       block_acts + recompute + working - gone + reducing, buckets)
     if fsdp and layout.pp > 1 and not keep:
-        # Under tensor parallelism the first stage's embedding gradient is made full-vocabulary in fp32
-        # (measured at ZeRO-3 only: Llama-3 8B and `small`, PP 2 × FSDP 2 × TP 2 + SP).
-        embedding = model.padded_vocab * model.dim * 4 if layout.tp > 1 and stage == 3 else 0.0
         for name in ("loss", "forward end", "backward", "block gradients"):
             del phases[name]
         stages, moments = pipe_stages(share, layout.schedule, layout.pp, rank, micro, in_flight)
@@ -325,8 +348,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
             share.block_params if with_grads is not None else share.unit_params, per_stage,
             boundary * boundary_tensors(share.stages, share.last, 1),
             head_saved / held, head - head_saved, held, tokens * vocab * c_bytes, tokens * vocab * 4,
-            recompute + working, block_temps, embedding, embedding / layout.tp / 4 * r_bytes), stages, moments))
-    step = weight_step_acts(model, layout, workload, mode, share, rank, micro, act_mb / share.stages) \
+            recompute + working, block_temps, *_embedding_grad(model, layout, c_bytes, r_bytes)), stages, moments))
+    step = weight_step_acts(model, layout, workload, mode, share, rank, micro, saved_mb / share.stages) \
         if layout.pp > 1 else 0.0
     if step:
         # The split backward's weight-gradient step under recompute (phase_terms.WEIGHT_STEP): it follows a

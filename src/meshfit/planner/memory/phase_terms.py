@@ -195,6 +195,7 @@ class Stage3Terms:
     temps: float  # a block's backward temporaries
     embedding_grad: float = 0.0  # the embedding's gradient when larger than its 16-bit copy
     embedding_copy: float = 0.0  # a copy of its local gradient kept between backwards
+    embedding_accumulator: float = 0.0  # its accumulator's bytes beyond the local gradient's size
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ def pipelined_stage3_phases(t: Stage3Terms, stages: tuple[PipeStage, ...], momen
     # their backward as well (`small`, PP 2 × FSDP 2 × TP 2 + SP, 8 ranks: the root and one unit at the end).
     gathered_all = [(s.root + (s.layers * t.block if t.c_bytes == 2 else t.unit)) * t.c_bytes for s in stages]
     # Accumulating stages hold their gradients unsharded; finished ones hold their reduced shard.
-    accumulator = [s.params * t.r_bytes for s in stages]
+    accumulator = [s.params * t.r_bytes + (t.embedding_accumulator if s.embedding else 0.0) for s in stages]
     shard = [s.params * t.reduced for s in stages]
 
     def acts_of(in_flight: int) -> float:
