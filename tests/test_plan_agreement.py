@@ -167,3 +167,21 @@ def test_a_config_json_in_a_folder_named_like_a_preset_is_not_named_as_the_prese
                         "--out", str(plan_file))
     assert code == 0, err
     assert read_plan(Path(plan_file))[1] == str(folder / "config.json")
+
+
+def test_a_plan_file_naming_a_key_twice_is_refused_naming_key_and_lines(capsys, tmp_path, plan_doc):
+    # json keeps the last of two equal keys: an edited plan would train on whichever came second.
+    text = json.dumps(plan_doc, indent=1).replace('"world_size": 2', '"world_size": 2,\n  "world_size": 4', 1)
+    path = tmp_path / "twice.json"
+    path.write_text(text)
+    code, _, err = _run(capsys, "train", "--plan", str(path), "--nproc", "2", "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{path}: key 'world_size' is given twice in one object (lines " in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_hardware_profile_or_model_config_naming_a_key_twice_is_refused(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "hidden_size": 64,\n "hidden_size": 128}')
+    code, _, err = _run(capsys, "plan", "--model", str(path), "--gpus-per-node", "2")
+    assert code == 2 and "key 'hidden_size' is given twice in one object (lines 1, 2)" in err, err

@@ -11,6 +11,8 @@ from typing import Any
 import tomllib
 import yaml
 
+from meshfit.util.jsonfile import DuplicateKey, loads_unique
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the valid choices."""
@@ -38,10 +40,6 @@ def _toml_problem(exc: tomllib.TOMLDecodeError, text: str) -> str:
     return _parse_problem(exc)
 
 
-class _DuplicateKey(ValueError):
-    """A mapping names one key twice: the later value would silently win."""
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
 
@@ -50,24 +48,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise _DuplicateKey(f"key {key!r} is given twice (lines {seen[key]} and "
+                raise DuplicateKey(f"key {key!r} is given twice (lines {seen[key]} and "
                                     f"{key_node.start_mark.line + 1}); keep one")
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
-
-
-def _json_unique(text: str) -> Any:
-    """json.loads that refuses a key given twice in one object (json keeps the last), naming its line."""
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [key for key, _ in items]
-        twice = next((key for key in keys if keys.count(key) > 1), None)
-        if twice is not None:
-            lines = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(twice)}"\s*:', text)]
-            where = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
-            raise _DuplicateKey(f"key {twice!r} is given twice in one object{where}; keep one")
-        return dict(items)
-
-    return json.loads(text, object_pairs_hook=pairs)
 
 
 def read_config_file(path: Path, sections: tuple[str, ...]) -> dict[str, Any]:
@@ -86,12 +70,12 @@ def read_config_file(path: Path, sections: tuple[str, ...]) -> dict[str, Any]:
         elif path.suffix in (".yaml", ".yml"):
             data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         else:
-            data = _json_unique(text)
+            data = loads_unique(text)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}); {valid}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} cannot be parsed as TOML: {_toml_problem(exc, text)}") from None
-    except (yaml.YAMLError, json.JSONDecodeError, _DuplicateKey) as exc:
+    except (yaml.YAMLError, json.JSONDecodeError, DuplicateKey) as exc:
         raise ConfigError(f"config file {path} cannot be parsed as {_FORMATS[path.suffix]}: "
                           f"{_parse_problem(exc)}") from None
     except OSError as exc:

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from meshfit.util.paths import read_text
+
+
+class DuplicateKey(ValueError):
+    """A mapping names one key twice: the later value would silently win."""
+
+
+def loads_unique(text: str) -> Any:
+    """json.loads that refuses a key given twice in one object (json keeps the last), naming its lines."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in items]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            lines = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(twice)}"\s*:', text)]
+            where = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
+            raise DuplicateKey(f"key {twice!r} is given twice in one object{where}; keep one")
+        return dict(items)
+
+    return json.loads(text, object_pairs_hook=pairs)
 
 
 def read_json_object(path: str | Path, what: str, hint: str = "") -> dict[str, Any]:
@@ -18,7 +37,9 @@ def read_json_object(path: str | Path, what: str, hint: str = "") -> dict[str, A
     path = Path(path)
     text = read_text(path, what, hint)
     try:
-        doc = json.loads(text)
+        doc = loads_unique(text)
+    except DuplicateKey as exc:
+        raise ValueError(f"{path}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not a JSON {what} ({exc})") from None
     if not isinstance(doc, dict):
