@@ -131,16 +131,19 @@ def test_a_killed_launcher_takes_its_ranks_along(tmp_path, command, processes):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
-def test_a_failed_launch_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("fault, said, last", [
+    ("kill", "killing this rank at step 2", "killed by SIGKILL (the out-of-memory killer, or kill -9"),
+    ("segfault", "reads address 0 at step 2", "killed by SIGSEGV (a crash in native code)"),
+])
+def test_a_failed_launch_leaves_no_process(tmp_path, fault, said, last):
     tag = uuid.uuid4().hex
     # Rank 1 dies at step 2; torch's agent then ends rank 0, and the launcher reports the failure.
     launcher = _meshfit(tag, "train", "--nproc", "2", "--set", "train.steps=4", "--run-dir", str(tmp_path / "r"),
-                        MESHFIT_FAULT="kill:rank=1:step=2")
+                        MESHFIT_FAULT=f"{fault}:rank=1:step=2")
     _, err = launcher.communicate(timeout=150)
-    assert launcher.returncode == 1 and "killing this rank at step 2" in err, err
+    assert launcher.returncode == 1 and said in err, err
     # The last line names the rank that died and its signal, before what the other rank then saw.
-    assert err.strip().splitlines()[-1].startswith("error: rank 1 died, killed by SIGKILL (the out-of-memory "
-                                                   "killer, or kill -9"), err
+    assert err.strip().splitlines()[-1].startswith(f"error: rank 1 died, {last}"), err
     assert _gone(tag, within_s=5) == []
 
 

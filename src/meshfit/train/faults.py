@@ -3,6 +3,7 @@
 Fault injection is a test switch, read from the environment so that it reaches ranks started by torchrun:
 
     MESHFIT_FAULT="kill:rank=1:step=6"               rank 1 dies (SIGKILL) when step 6 starts
+    MESHFIT_FAULT="segfault:rank=1:step=6"           rank 1 crashes in native code (a null read) at step 6
     MESHFIT_FAULT="hang:rank=0:step=3"               rank 0 stops making progress at step 3
     MESHFIT_FAULT="nan-grad:rank=1:step=4"           rank 1's gradients turn NaN in step 4
     MESHFIT_FAULT="inf-loss:rank=0:step=4"           rank 0's loss turns Inf in step 4
@@ -17,6 +18,7 @@ TORCHELASTIC_RESTART_COUNT = 0), so a restarted run can recover from it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import faulthandler
 import io
@@ -36,7 +38,7 @@ import torch
 from meshfit.memory.tracker import MemoryBudgetExceeded
 
 ENV_VAR = "MESHFIT_FAULT"
-KINDS = ("kill", "hang", "nan-grad", "inf-loss", "sigterm", "kill-in-save", "disk-full-in-save")
+KINDS = ("kill", "segfault", "hang", "nan-grad", "inf-loss", "sigterm", "kill-in-save", "disk-full-in-save")
 
 
 class FaultSpecError(ValueError):
@@ -90,6 +92,9 @@ class Faults:
         if self._due("kill", step):
             _say(f"injected fault: killing this rank at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("segfault", step):
+            _say(f"injected fault: this rank reads address 0 at step {step}")
+            ctypes.string_at(0)  # a real crash in native code: the kernel sends SIGSEGV
         if self._due("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self._due("hang", step):
