@@ -179,3 +179,26 @@ def peaks_job(cfg_dicts: list[dict[str, Any]]) -> list[int]:
         cfg = config_from_dict(cfg_dict)
         peaks.append(train(cfg, init_distributed(cfg.train.device), None)["peak_mem_bytes"])
     return peaks
+
+
+def init_from_job(cfg_dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Build each run (model.init_from set) on these ranks; return what each rank read and the block of
+    every full tensor that each of its parameters holds."""
+    from torch.distributed.tensor import DTensor
+
+    from meshfit.models.init import canonical_name, local_region
+    from meshfit.train.run import build_run
+
+    out = {}
+    for case, cfg_dict in cfg_dicts.items():
+        cfg = config_from_dict(cfg_dict)
+        run = build_run(cfg, init_distributed(cfg.train.device), None)
+        blocks = []
+        for module in (list(run.model) if run.pipe else [run.model]):
+            for raw, param in module.named_parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                offsets, _ = local_region(param)
+                # numpy: a tensor would travel to the test process in shared memory, gone when the rank exits
+                blocks.append((canonical_name(raw, run.shape.model), offsets, local.detach().numpy().copy()))
+        out[case] = {"bytes_read": run.init_from.bytes_read, "blocks": blocks}
+    return out

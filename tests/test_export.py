@@ -14,7 +14,8 @@ from meshfit.commands.main import main
 from meshfit.config import load_config
 from meshfit.models import build_model
 from meshfit.models.hf import model_from_hf_config
-from meshfit.models.hf_weights import load_hf
+from meshfit.models.hf_read import HFWeights
+from meshfit.models.init import init_weights
 from meshfit.runs.export import find_checkpoint, read_model
 from meshfit.train.launch import launch
 
@@ -45,8 +46,10 @@ def test_export_matches_transformers_and_round_trips(tmp_path: Path, preset: str
     with torch.no_grad():
         theirs = hf(tokens).logits
     torch.testing.assert_close(theirs, _meshfit_logits(weights, model_cfg, tokens), atol=1e-5, rtol=1e-5)
-    back = load_hf(tmp_path / "hf", model_cfg)
-    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+    back = build_model(model_cfg, "cpu")
+    init_weights(back, 0, model_cfg, HFWeights(tmp_path / "hf", model_cfg))  # init_from's reader
+    state = back.state_dict()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
 
 
 @pytest.mark.multiproc

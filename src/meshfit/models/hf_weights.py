@@ -137,6 +137,16 @@ def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
     return [out_dir / "model.safetensors", out_dir / "config.json"]
 
 
+def hf_source(name: str, cfg: ModelConfig) -> tuple[str, bool, int] | None:
+    """Where meshfit tensor `name` is stored in a Hugging Face checkpoint: (tensor name, stored transposed,
+    offset of its rows in a fused tensor: GPT-2's q, k and v are column ranges of c_attn); None if nowhere."""
+    if cfg.family == "gpt" and (match := re.match(r"^layers\.(\d+)\.attention\.(wq|wk|wv)\.(weight|bias)$", name)):
+        layer, which, kind = match.groups()
+        return f"transformer.h.{layer}.attn.c_attn.{kind}", kind == "weight", _QKV.index(which) * cfg.dim
+    renamed = _rename(name, _LLAMA if cfg.family == "llama" else _GPT, 0, 1)
+    return None if renamed is None else (renamed[0], renamed[1], 0)
+
+
 def safetensors_files(path: str | Path) -> list[Path]:
     """The *.safetensors files of a folder (or the one file) that model.init_from names; ValueError if none."""
     path = Path(path)
@@ -164,16 +174,3 @@ def check_hf(path: str | Path, cfg: ModelConfig) -> None:
         except Exception as exc:  # safetensors raises its own error types for damaged headers
             raise ValueError(f"model.init_from: {file} cannot be read as safetensors: {exc}") from None
     check_weights(build_model(cfg, device="meta"), from_hf(shapes, cfg, str(path)), cfg)
-
-
-def load_hf(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full fp32 meshfit weights from a folder of *.safetensors (or one file); checked against `cfg`."""
-    path = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                tensors.update({k: handle.get_tensor(k).float() for k in handle.keys()})
-        except Exception as exc:  # safetensors raises its own error types for damaged headers
-            raise ValueError(f"model.init_from: {file} cannot be read as safetensors: {exc}") from None
-    return from_hf(tensors, cfg, str(path))

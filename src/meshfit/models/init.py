@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,24 +46,24 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
 
 
-_VOCAB_TABLES = ("tok_embeddings.weight", "output.weight")
+VOCAB_TABLES = ("tok_embeddings.weight", "output.weight")
 
 
 def _pad_rows(full: torch.Tensor, name: str, cfg: ModelConfig) -> torch.Tensor:
     """A vocabulary table with the padded rows appended as zeros: the real rows are the same whatever the
     padding, and the padded ones never receive a gradient."""
-    if name not in _VOCAB_TABLES or cfg.padded_vocab == cfg.vocab_size or full.shape[0] != cfg.vocab_size:
+    if name not in VOCAB_TABLES or cfg.padded_vocab == cfg.vocab_size or full.shape[0] != cfg.vocab_size:
         return full
     return torch.cat([full, full.new_zeros(cfg.padded_vocab - cfg.vocab_size, *full.shape[1:])])
 
 
 def strip_padding(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Full weights by plain name with the vocabulary tables cut back to the real vocabulary."""
-    return {name: value[:cfg.vocab_size] if name in _VOCAB_TABLES else value for name, value in weights.items()}
+    return {name: value[:cfg.vocab_size] if name in VOCAB_TABLES else value for name, value in weights.items()}
 
 
 def _real_shape(name: str, shape: torch.Size, cfg: ModelConfig) -> torch.Size:
-    if name in _VOCAB_TABLES and shape[0] == cfg.padded_vocab:
+    if name in VOCAB_TABLES and shape[0] == cfg.padded_vocab:
         return torch.Size((cfg.vocab_size, *shape[1:]))
     return shape
 
@@ -85,6 +86,22 @@ def _random_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
         # residual stream's variance does not grow with depth.
         std = BASE_STD / math.sqrt(2 * cfg.n_layers)
     return nn.init.normal_(full, mean=0.0, std=std, generator=_generator(seed, name))
+
+
+class WeightSource(Protocol):
+    """Starting weights read part by part (models/hf_read.py): ``local(name, param)`` is the block of the
+    full tensor ``name`` that ``param`` holds (all of it for a plain tensor, the shard of a DTensor)."""
+
+    def local(self, name: str, param: torch.Tensor) -> torch.Tensor: ...
+
+
+def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of the block of the full tensor that `param` holds on this rank: a DTensor's shard
+    (any placements, FSDP's uneven last shard included: DCP's own chunk of it), else the whole tensor."""
+    if isinstance(param, DTensor):
+        (chunk,) = param.__create_chunk_list__()
+        return tuple(chunk.offsets), tuple(chunk.sizes)
+    return (0,) * param.dim(), tuple(param.shape)
 
 
 def _given(weights: dict[str, torch.Tensor], name: str, shape: torch.Size, cfg: ModelConfig) -> torch.Tensor:
@@ -120,9 +137,16 @@ def check_weights(model: nn.Module, weights: dict[str, torch.Tensor], cfg: Model
         _given(weights, canonical_name(raw_name, cfg), param.shape, cfg)
 
 
+def _copy_local(param: torch.Tensor, local: torch.Tensor, name: str) -> None:
+    target = param.to_local() if isinstance(param, DTensor) else param
+    if target.shape != local.shape:
+        raise ValueError(f"init_weights: {name} has local shape {tuple(target.shape)}, the source gave "
+                         f"{tuple(local.shape)}")
+    target.copy_(local)
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, cfg: ModelConfig,
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
+def init_weights(model: nn.Module, seed: int, cfg: ModelConfig, weights: WeightSource | None = None) -> None:
     """Initialize every parameter of ``model`` in place and recompute its buffers.
 
     Weights ~ N(0, 0.02), with ``wo``/``w2`` scaled by ``1/sqrt(2 * n_layers)``;
@@ -131,8 +155,8 @@ def init_weights(model: nn.Module, seed: int, cfg: ModelConfig,
     not on the meta device: call ``model.to_empty(device=...)`` first.
     Each full tensor is generated on CPU in fp32, which costs host memory
     and time proportional to the largest parameter (the embedding table).
-    With ``weights`` (full tensors by plain name, e.g. from ``model.init_from``)
-    every parameter takes its value from there instead.
+    With ``weights`` (``model.init_from``, checked beforehand with ``check_weights``) every parameter
+    takes its value from there instead, each rank reading only its own block.
     """
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name, cfg)
@@ -140,8 +164,10 @@ def init_weights(model: nn.Module, seed: int, cfg: ModelConfig,
             raise ValueError(
                 f"init_weights: {raw_name} is on the meta device; call model.to_empty(device=...) first"
             )
-        full = _full_value(name, param.shape, seed, cfg) if weights is None else _given(weights, name, param.shape, cfg)
-        _copy_into(param, full, raw_name)
+        if weights is None:
+            _copy_into(param, _full_value(name, param.shape, seed, cfg), raw_name)
+        else:
+            _copy_local(param, weights.local(name, param), raw_name)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
         if callable(init_buffers):

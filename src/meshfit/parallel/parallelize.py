@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfit.config import ParallelSection
 from meshfit.layout.data_parallel_kind import data_parallel_kind
 from meshfit.models import ModelConfig, init_weights
+from meshfit.models.init import WeightSource
 from meshfit.parallel.activation_checkpoint import apply_activation_checkpointing, keeps_block_graph
 from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.context_parallel import apply_context_parallel
@@ -66,12 +67,13 @@ def _buffers_on(model: nn.Module, device: torch.device) -> None:
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg: ModelConfig, *,
                 parallel: ParallelSection, zero_stage: int, mixed_precision: bool,
-                device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None = None,
+                device: torch.device, seed: int, weights: WeightSource | None = None,
                 materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                 compile_blocks: bool = False, seq_len: int = 0) -> nn.Module:
     """Apply the layout to `model` (built on meta), materialize it on `device` and initialize it.
 
-    `weights`: full starting weights by name (model.init_from) instead of the seeded initialization.
+    `weights`: starting weights (model.init_from), each rank reading its own blocks, instead of the seeded
+    initialization.
     `materialize` is entered around the steps that allocate (materialization, initialization, DDP): a
     dry run passes a FakeTensorMode there, while the layout itself is applied on meta outside it.
     `seq_len`: the training sequence length (context parallelism places each rank's positions in it).

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
 from meshfit.models import ModelConfig, build_model
+from meshfit.models.init import WeightSource
 from meshfit.models.loss import lm_loss
 from meshfit.parallel.dims import Meshes
 from meshfit.parallel.parallelize import parallelize
@@ -35,7 +36,7 @@ class Pipe:
 
 def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig, device: torch.device,
                    materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   weights: dict[str, torch.Tensor] | None = None) -> tuple[nn.ModuleList, Pipe]:
+                   weights: WeightSource | None = None) -> tuple[nn.ModuleList, Pipe]:
     """This rank's stage modules (each laid out like a whole model would be) and the schedule.
 
     `materialize`: see `parallelize`."""

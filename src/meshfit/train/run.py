@@ -20,6 +20,7 @@ from meshfit.layout.data_parallel_kind import reduces_in_background
 from meshfit.memory.meter import MemoryMeter, rank_tracker
 from meshfit.memory.tracker import limit_cuda_memory
 from meshfit.models import build_model, flops_per_token
+from meshfit.models.hf_read import HFWeights
 from meshfit.parallel.context_parallel import shard_sequence
 from meshfit.parallel.data_parallel import GradientStash, gradient_stash
 from meshfit.parallel.dims import Meshes
@@ -57,6 +58,7 @@ class Run:
     meter: MemoryMeter | None = None  # when the tracker runs (None: every step, as in dry runs)
     stash: GradientStash | None = None  # ZeRO-2 under mixed precision with gradient accumulation
     compiling_since: float = 0.0  # the process's compile seconds when the step began (train.compile)
+    init_from: HFWeights | None = None  # model.init_from's reader: what this rank read (bytes, seconds)
     host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters on CPU ranks (host_reduce.py)
     held_out: HeldOut | None = None  # validation batches (train.eval_every > 0)
     context: tuple[int, int] = (1, 0)  # (parallel.cp, this rank's index along it)
@@ -105,7 +107,7 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                host_reduce=_host_reduce(model, shape, pipe is not None, dist.get_backend(meshes.dp.get_group()),
                                         cfg.parallel.reduce_dtype),
                held_out=held_out_reader(cfg, held, meshes.dp.get_local_rank(), shape.dims.dp),
-               context=(shape.dims.cp, meshes.world["cp"].get_local_rank()))
+               context=(shape.dims.cp, meshes.world["cp"].get_local_rank()), init_from=weights)
 
 
 def _host_reduce(model: nn.Module, shape: RunShape, pipelined: bool, backend: str,
@@ -124,13 +126,13 @@ def _meter(cfg: Config, env: RankEnv, tracker: Any) -> MemoryMeter:
     return MemoryMeter(tracker, env.device, train.memory_tracking, train.memory_tracked_steps, train.memory_budget)
 
 
-def _starting_weights(cfg: Config, model_cfg: Any) -> dict[str, torch.Tensor] | None:
+def _starting_weights(cfg: Config, model_cfg: Any) -> HFWeights | None:
+    """model.init_from, read part by part as the layout places each parameter (checked before the start)."""
     if not cfg.model.init_from:
         return None
     from meshfit.config import ConfigError
-    from meshfit.models.hf_weights import load_hf
 
     try:
-        return load_hf(cfg.model.init_from, model_cfg)
+        return HFWeights(cfg.model.init_from, model_cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

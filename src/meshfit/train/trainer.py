@@ -34,6 +34,7 @@ from meshfit.train.metrics import MetricsLog
 from meshfit.train.pipelined import pipeline_step
 from meshfit.train.records import begin_run, compile_fields, step_record, summarize, write_result
 from meshfit.train.run import Run, build_run
+from meshfit.util.units import fmt_bytes
 from meshfit.train.vote import Ballot, Vote
 
 
@@ -190,6 +191,10 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
         try:
             watchdog.arm("building the run")
             run = build_run(cfg, env, run_dir)
+            if run.init_from is not None and env.rank == 0:
+                read = run.init_from
+                print(f"model.init_from: rank 0 read {fmt_bytes(read.bytes_read)} of the weights (its part) in "
+                      f"{read.seconds:.1f} s", flush=True)
             ckpt = Checkpointer(cfg, env.rank, run_dir, faults)
             watchdog.arm("loading the checkpoint")
             run.step = run.start_step = ckpt.restore(run, restarted=attempt > 0)
