@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from dist_jobs import PARITY_BASE
 
 from meshfit.commands.main import main
@@ -34,10 +35,23 @@ def _meshfit_logits(weights: dict[str, torch.Tensor], model_cfg, tokens: torch.T
         return model(tokens)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
-def test_export_matches_transformers_and_round_trips(tmp_path: Path, preset: str) -> None:
+@pytest.mark.parametrize("preset, shard", [("tiny", "5GB"), ("tiny-gpt", "100KB")])
+def test_export_matches_transformers_and_round_trips(tmp_path: Path, preset: str, shard: str) -> None:
     run_dir = _trained(tmp_path / "run", f"model.preset={preset}")
-    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf"), "--max-shard-size", shard]) == 0
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    if shard == "5GB":
+        assert shards == ["model.safetensors"] and not (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    else:  # transformers' names and index; no shard above the size unless it holds a single larger tensor
+        count = len(shards)
+        assert count > 2 and shards == [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+        index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"].values()) == set(shards)
+        data = {s: (tmp_path / "hf" / s).stat().st_size - 8 - int.from_bytes(
+            (tmp_path / "hf" / s).read_bytes()[:8], "little") for s in shards}  # less the safetensors header
+        assert index["metadata"]["total_size"] == sum(data.values())
+        held = {s: list(index["weight_map"].values()).count(s) for s in shards}
+        assert all(size <= 100_000 or held[s] == 1 for s, size in data.items()), (data, held)
     weights, model_cfg, marker = read_model(find_checkpoint(run_dir))
     assert marker["step"] == 2
     assert model_from_hf_config(tmp_path / "hf" / "config.json") == model_cfg
@@ -78,7 +92,14 @@ def test_bad_export_and_init_inputs_are_named(tmp_path: Path, capsys: pytest.Cap
     whole = (tmp_path / "hf" / "model.safetensors").read_bytes()
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "model.safetensors").write_bytes(whole[:len(whole) // 2])
+    main(["export", str(run_dir), "--out", str(tmp_path / "shards"), "--max-shard-size", "100KB"])
+    (tmp_path / "shards" / "model-00002-of-00005.safetensors").unlink()
+    (tmp_path / "ints").mkdir()
+    save_file({k: v.long() for k, v in load_file(tmp_path / "hf" / "model.safetensors").items()},
+              tmp_path / "ints" / "model.safetensors")
     cases = [
+        ("shards", [], "names shard model-00002-of-00005.safetensors, which is not in"),
+        ("ints", [], "stores lm_head.weight as I64; the model's weights are floating point"),
         ("bad.safetensors", [], "bad.safetensors cannot be read as safetensors"),
         ("cut", [], "cut/model.safetensors cannot be read as safetensors"),
         ("hf", ["model.dim=128"], "has shape (256, 64) there, the model needs (256, 128)"),

@@ -77,7 +77,9 @@ def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
         hf_name, transpose = renamed
         out[hf_name] = (tensor.t() if transpose else tensor).contiguous()
     if cfg.family == "gpt":
-        for i in range(cfg.n_layers):
+        # The layers present (an export writes a layer at a time): q, k and v are fused into c_attn.
+        fused = (re.match(r"^layers\.(\d+)\.attention\.wq\.weight$", name) for name in weights)
+        for i in sorted(int(m.group(1)) for m in fused if m):
             base = f"layers.{i}.attention"
             out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat(
                 [weights[f"{base}.{k}.weight"].t() for k in _QKV], dim=1).contiguous()
@@ -155,7 +157,21 @@ def safetensors_files(path: str | Path) -> list[Path]:
         where = "does not exist" if not path.exists() else "holds no .safetensors files"
         raise ValueError(f"model.init_from={path}: {where} (give the folder `meshfit export` wrote, or one "
                          ".safetensors file)")
+    index = path / "model.safetensors.index.json" if path.is_dir() else None
+    if index is not None and index.is_file():
+        from meshfit.util.jsonfile import read_json_object
+
+        named = read_json_object(index, "safetensors index").get("weight_map")
+        if not isinstance(named, dict):
+            raise ValueError(f"model.init_from: {index} has no weight_map (tensor name -> shard file)")
+        missing = sorted({str(f) for f in named.values()} - {f.name for f in files})
+        if missing:
+            raise ValueError(f"model.init_from: {index} names shard {missing[0]}, which is not in {path}"
+                             + (f" ({len(missing)} shards missing)" if len(missing) > 1 else ""))
     return files
+
+
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the dtypes weights may be stored in
 
 
 def check_hf(path: str | Path, cfg: ModelConfig) -> None:
@@ -170,7 +186,13 @@ def check_hf(path: str | Path, cfg: ModelConfig) -> None:
         try:
             with safe_open(str(file), framework="pt") as handle:  # checks the header against the file size
                 for key in handle.keys():
-                    shapes[key] = torch.empty(handle.get_slice(key).get_shape(), device="meta")
+                    part = handle.get_slice(key)
+                    if part.get_dtype() not in _FLOAT_DTYPES:  # token ids, quantized codes: not these weights
+                        raise ValueError(f"model.init_from: {file} stores {key} as {part.get_dtype()}; the model's "
+                                         f"weights are floating point ({', '.join(_FLOAT_DTYPES)})")
+                    shapes[key] = torch.empty(part.get_shape(), device="meta")
+        except ValueError:
+            raise
         except Exception as exc:  # safetensors raises its own error types for damaged headers
             raise ValueError(f"model.init_from: {file} cannot be read as safetensors: {exc}") from None
     check_weights(build_model(cfg, device="meta"), from_hf(shapes, cfg, str(path)), cfg)
