@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshfit.commands import calibrate, demo, export, plan, show, train, verify
+from meshfit.commands import calibrate, demo, export, plan, prepare, show, train, verify
 from meshfit.config import ConfigError
 from meshfit.util.did_you_mean import did_you_mean
 from meshfit.util.paths import PathError
@@ -24,12 +24,13 @@ examples:
   meshfit train --config run.toml --set train.steps=100 --run-dir runs/exp1
   meshfit train --config run.toml --run-dir runs/exp1 --resume --nproc 4   continue, any layout
   meshfit export runs/exp1 --out hf/exp1          latest checkpoint as HF safetensors
+  meshfit prepare corpus/ --tokenizer hf/llama --out data/corpus --workers 4   token shards to train on
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m meshfit train --config run.toml           multi-node: one launch per node
 """
 
 # In the order `meshfit --help` lists them.
-COMMANDS = {module.NAME: module for module in (train, plan, verify, export, demo, calibrate, show)}
+COMMANDS = {module.NAME: module for module in (train, plan, verify, export, prepare, demo, calibrate, show)}
 
 
 def build_parser() -> argparse.ArgumentParser:

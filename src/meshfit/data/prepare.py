@@ -1,0 +1,159 @@
+"""`meshfit prepare`: a corpus tokenized once into token shards (data/shards.py) that runs read directly.
+
+Documents stream from the inputs in order (data/documents.py) in batches; ``workers`` processes tokenize
+the batches (at most two per worker in flight, so memory stays bounded whatever the corpus size) and the
+results are written in input order. Shards are cut at the first document boundary past ``shard_tokens``:
+the files depend on the documents alone, never on the worker count. Everything is written into a staging
+folder beside ``out`` and renamed into place at the end; a failure or Ctrl-C removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshfit.data.documents import Counts, input_files, read_documents
+from meshfit.data.errors import DataError
+from meshfit.data.shards import FORMAT, METADATA, VERSION, shard_files
+from meshfit.data.tokenizer import Pretrained, load_tokenizer
+
+DEFAULT_SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MB files at uint16
+BATCH_CHARS = 1 << 20  # characters of text per task: large enough to amortize a task, small for memory
+
+_worker_tokenizer: Pretrained | None = None
+
+
+def _init_worker(folder: str) -> None:
+    global _worker_tokenizer  # one tokenizer per worker process, loaded once
+    _worker_tokenizer = load_tokenizer(folder)
+
+
+def _encode(texts: list[str]) -> list[np.ndarray]:
+    assert _worker_tokenizer is not None
+    return _worker_tokenizer.encode(texts)
+
+
+def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
+    batch, chars = [], 0
+    for text in documents:
+        batch.append(text)
+        chars += len(text)
+        if chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(batches: Iterator[list[str]], tokenizer: Pretrained, workers: int) -> Iterator[list[np.ndarray]]:
+    """Each batch's ids, in order: in this process with one worker, else in a pool of `workers`."""
+    if workers == 1:
+        for batch in batches:
+            yield tokenizer.encode(batch)
+        return
+    with mp.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer.folder),)) as pool:
+        flight: deque = deque()
+        for batch in batches:
+            flight.append(pool.apply_async(_encode, (batch,)))
+            if len(flight) >= 2 * workers:
+                yield flight.popleft().get()
+        while flight:
+            yield flight.popleft().get()
+
+
+class _ShardWriter:
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int) -> None:
+        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.max_id = -1
+        self._open()
+
+    def _open(self) -> None:
+        tokens, offsets = shard_files(len(self.shards))
+        self.shards.append({"tokens": tokens, "offsets": offsets, "n_tokens": 0, "n_documents": 0})
+        self.handle = open(self.folder / tokens, "wb")
+        self.offsets = [0]
+
+    def add(self, ids: np.ndarray) -> None:
+        shard = self.shards[-1]
+        if shard["n_tokens"] >= self.shard_tokens:
+            self._close()
+            self._open()
+            shard = self.shards[-1]
+        self.handle.write(ids.astype(self.dtype, copy=False).tobytes())
+        shard["n_tokens"] += len(ids)
+        shard["n_documents"] += 1
+        self.offsets.append(shard["n_tokens"])
+        self.max_id = max(self.max_id, int(ids.max()))
+
+    def _close(self) -> None:
+        self.handle.close()
+        np.asarray(self.offsets, dtype=np.int64).tofile(self.folder / self.shards[-1]["offsets"])
+
+    def finish(self) -> None:
+        self._close()
+
+
+def _metadata(writer: _ShardWriter, tokenizer: Pretrained, files: list[Path], field: str,
+              counts: Counts) -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "dtype": writer.dtype.name,
+            "tokens": sum(s["n_tokens"] for s in writer.shards), "documents": counts.documents,
+            "skipped_empty_documents": counts.skipped_empty, "max_id": writer.max_id,
+            "tokenizer": tokenizer.describe(), "field": field,
+            "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files], "shards": writer.shards}
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise DataError(f"--out {out} already exists and is not empty: choose another folder, or replace it "
+                        "with --overwrite")
+
+
+def prepare(inputs: list[Path], tokenizer_folder: Path, out: Path, field: str = "text", workers: int = 1,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, skip_empty: bool = False, overwrite: bool = False,
+            on_progress: Callable[[Counts], None] | None = None) -> dict[str, Any]:
+    """Tokenize `inputs` into shards in `out`; returns the metadata. DataError for bad input, before
+    `out` is touched (a bad document found part way leaves `out` as it was)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism, in every process
+    files = input_files(inputs)
+    tokenizer = load_tokenizer(tokenizer_folder, "--tokenizer")
+    check_out(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.prepare-", dir=out.parent))
+    try:
+        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+        writer, counts = _ShardWriter(staging, dtype, shard_tokens), Counts()
+        for ids_of_batch in _encoded(_batches(read_documents(files, field, skip_empty, counts)), tokenizer, workers):
+            for ids in ids_of_batch:
+                writer.add(ids)
+            if on_progress is not None:
+                on_progress(counts)
+        writer.finish()
+        if counts.documents == 0:
+            raise DataError(f"{', '.join(map(str, inputs))}: no documents to prepare")
+        meta = _metadata(writer, tokenizer, files, field, counts)
+        (staging / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
+        _replace(staging, out)
+        return meta
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Move the finished folder to `out`; an earlier folder there (--overwrite) goes only once it is in."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "data")
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out)
