@@ -194,7 +194,7 @@ def _batches(cfg: Config, dims: ParallelDims, windows: int) -> dict[str, int]:
         unit = dims.dp * (cfg.pipeline.microbatches or least_microbatches(cfg.pipeline.schedule, dims.pp))
     else:
         unit = dims.dp * (cfg.train.micro_batch or 1)
-    given = "train.global_batch" in cfg.train.model_fields_set
+    given = "global_batch" in cfg.train.model_fields_set
     if given:
         batch = cfg.train.global_batch
         if windows % batch:
