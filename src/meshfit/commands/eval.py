@@ -27,9 +27,9 @@ examples:
 
 def add_parser(sub: Any, epilog: str) -> argparse.ArgumentParser:
     cmd = sub.add_parser("eval", help="a model's loss and perplexity on a token file (no training, no run directory)",
-                         description="The mean token loss and perplexity of MODEL over the first --windows windows "
-                                     "of --seq-len + 1 tokens of --data, in file order: the figure training logs "
-                                     "as val_loss for the same windows.",
+                         description="The mean token loss and perplexity of MODEL over the first --windows windows\n"
+                                     "of --seq-len + 1 tokens of --data, in file order: the figure training logs as\n"
+                                     "val_loss for the same windows. Nothing is written but --out.",
                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     cmd.add_argument("model", type=Path, metavar="MODEL",
                      help="a Hugging Face folder (config.json + *.safetensors, as `meshfit export` writes), a step-N "

@@ -18,7 +18,7 @@ from typing import Any
 
 from meshfit.config import Config, ConfigError, load_config
 from meshfit.data import DataError, check_files, load_token_file
-from meshfit.data.files import token_count
+from meshfit.data.files import token_count, tokenize_text
 from meshfit.data.loader import window_count
 from meshfit.layout.layout import Layout, parse_assignments
 from meshfit.layout.schedules import least_microbatches
@@ -166,11 +166,16 @@ def _layout_overrides(text: str | None) -> list[str]:
 def _check_data(cfg: Config, data: Path, seq_len: int, windows: int, vocab_size: int) -> None:
     """The file exists and has the form of data.path; its ids fit the model; it holds the windows."""
     source = cfg.data
+    if source.source == "text" and source.tokenizer == "bpe" and Path(source.path) == Path(data):
+        raise ConfigError("data.tokenizer=bpe: give the text the model was trained on with --set data.path=… (a BPE "
+                          "tokenizer is trained on it, as in training, and encodes --data)")
     try:
         check_files(source.source, data, seq_len, source.tokenizer, source.token_dtype, vocab_size)
         if source.source == "tokens":  # ids beyond the vocabulary: found here, not by the ranks
             load_token_file(data, vocab_size, source.token_dtype)
         count = token_count(source.source, data, source.tokenizer, source.token_dtype)
+        if count is None:  # BPE text: its count is known once encoded by the training text's tokenizer
+            count = len(tokenize_text(data, source.tokenizer, vocab_size, None, trained_on=source.path))
     except DataError as exc:
         raise ConfigError(f"--data {exc}") from None
     if count is not None and windows > window_count(count, seq_len):
