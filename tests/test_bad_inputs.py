@@ -58,6 +58,8 @@ def _workspace(ws: Path) -> None:
     (ws / "emptyplan.json").write_text('{"format": "meshfit-plan/1", "model": {}, "workload": {}, "layout": {}}')
     np.save(ws / "f32.npy", np.ones(100, dtype=np.float32))
     np.save(ws / "short.npy", np.arange(10, dtype=np.uint16))
+    np.save(ws / "val.npy", np.arange(300, dtype=np.uint16) % 256)  # 9 windows of 32 + 1 tokens
+    np.save(ws / "wide.npy", np.arange(300, dtype=np.uint16))  # ids 256-299: beyond tiny's vocabulary
     np.arange(10, dtype=np.uint8).tofile(ws / "odd.bin")
     (ws / "short.txt").write_text("hello\n")
     (ws / "sentence.txt").write_text("hello world, this is a short text. ")  # 35 bytes, 18 BPE tokens (270)
@@ -402,6 +404,35 @@ EXPORT = [
          "step-00000002", "exporting the one before it", "step-00000001", "wrote", "!resum", "!warn", code=0),
 ]
 
+EVAL_ARGS = "--data {ws}/val.npy --seq-len 32 --windows 8"
+EVAL = [
+    case("eval-model-missing", f"eval {{ws}}/nope {EVAL_ARGS}", "MODEL", "nope does not exist", "Hugging Face folder"),
+    case("eval-model-a-file", f"eval {{ws}}/afile {EVAL_ARGS}", "MODEL", "afile is a file", "checkpoint folder"),
+    case("eval-model-not-a-model", f"eval {{ws}}/adir {EVAL_ARGS}", "MODEL", "holds neither", "run folder"),
+    case("eval-hf-config-without-weights", f"eval {{ws}}/nonempty {EVAL_ARGS}", "MODEL", "no *.safetensors"),
+    case("eval-corrupt-checkpoint", f"eval {{damaged}}/checkpoints/step-00000002 {EVAL_ARGS}", "MODEL",
+         "step-00000002/__0_0.distcp is corrupt"),
+    case("eval-every-checkpoint-damaged", f"eval {{all_damaged}} {EVAL_ARGS}", "no intact checkpoint to evaluate"),
+    case("eval-data-missing", "eval {run} --data {ws}/nope.npy --seq-len 32 --windows 8", "--data", "does not exist",
+         ".npy"),
+    case("eval-data-float", "eval {run} --data {ws}/f32.npy --seq-len 32 --windows 2", "--data", "float32"),
+    case("eval-ids-beyond-vocabulary", "eval {run} --data {ws}/wide.npy --seq-len 32 --windows 8", "--data",
+         "token id 256", "vocab_size=256"),
+    case("eval-more-windows-than-the-file", "eval {run} --data {ws}/val.npy --seq-len 32 --windows 10",
+         "--windows 10", "holds 300 tokens", "9 windows of --seq-len + 1 = 33", "--windows ≤ 9"),
+    case("eval-seq-len-beyond-positions", "eval {run} --data {ws}/val.npy --seq-len 300 --windows 1", "--seq-len 300",
+         "max_seq_len=256", "≤ 256"),
+    case("eval-windows-zero", "eval {run} --data {ws}/val.npy --seq-len 32 --windows 0", "--windows 0", "at least 1"),
+    case("eval-set-the-model", f"eval {{run}} {EVAL_ARGS} --set model.dim=32", "model.dim", "come from MODEL"),
+    case("eval-set-seq-len", f"eval {{run}} {EVAL_ARGS} --set train.seq_len=8", "train.seq_len", "--seq-len"),
+    case("eval-windows-uneven-over-ranks", "eval {run} --data {ws}/val.npy --seq-len 32 --windows 5 --nproc 2",
+         "--windows 5", "2 data-parallel ranks", "--windows 4 or 6"),
+    case("eval-layout-typo", f"eval {{run}} {EVAL_ARGS} --layout tpp=2", "--layout", "did you mean 'tp'"),
+    case("eval-out-exists", f"eval {{run}} {EVAL_ARGS} --out {{ws}}/afile", "--out", "already exists"),
+    case("eval-damaged-falls-back", f"eval {{damaged}} {EVAL_ARGS}", "skipped a damaged checkpoint",
+         "evaluating the one before it", "step-00000001", "loss ", "perplexity", "!warn", code=0),
+]
+
 OTHER_COMMANDS = [
     case("show-missing", "show {ws}/nope", "nope", "does not exist", "run directory"),
     case("show-a-file", "show {ws}/afile", "afile", "is a file", "metrics.jsonl"),
@@ -414,7 +445,7 @@ OTHER_COMMANDS = [
     case("no-command", "", "COMMAND"),
 ]
 
-ALL = CONFIG_FILES + SET_SYNTAX + DATA + LAYOUT + PLAN_FILE + RUN_DIR + PLAN_FLAGS + EXPORT + OTHER_COMMANDS
+ALL = CONFIG_FILES + SET_SYNTAX + DATA + LAYOUT + PLAN_FILE + RUN_DIR + PLAN_FLAGS + EXPORT + EVAL + OTHER_COMMANDS
 
 
 @pytest.mark.parametrize("template, code, needles", ALL)
@@ -431,11 +462,13 @@ def test_out_of_range_value_names_the_field(override: str, field: str, valid: st
     _check(f"train --set {override}", 2, (f"{field}", valid, "error:"), request, ws)
 
 
-BEFORE_RANKS = [c for c in ALL if c.id in ("resume-from-a-corrupt-shard", "data-bpe-text-fewer-tokens-than-a-sequence")]
+BEFORE_RANKS = [c for c in ALL if c.id in ("resume-from-a-corrupt-shard", "data-bpe-text-fewer-tokens-than-a-sequence")
+                or (c.id.startswith("eval-") and c.values[1] == 2
+                    and c.id != "eval-every-checkpoint-damaged")]  # one error line, then each damaged file
 
 
 @pytest.mark.parametrize("template, code, needles", BEFORE_RANKS)
-def test_damaged_checkpoints_and_short_bpe_text_are_one_line_before_any_rank_starts(
+def test_damaged_checkpoints_short_bpe_text_and_bad_evals_are_one_line_before_any_rank_starts(
         template: str, code: int, needles: tuple[str, ...], request: pytest.FixtureRequest, ws: Path) -> None:
     text = _check(template, code, needles, request, ws)
     assert text.count("\n") == 1 and text.startswith("error: "), text  # no banner, no rank's report

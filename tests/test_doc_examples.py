@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from meshfit.util.ranks import free_port
@@ -49,6 +50,8 @@ TRAIN_PLAN = "meshfit train --plan plan.json --nproc 2"
 TENSORBOARD = "meshfit train --set metrics.tensorboard=true --run-dir runs/exp1"
 EXPORT = "meshfit export runs/exp1 --out hf/exp1"
 INIT_FROM = "meshfit train --set model.init_from=hf/exp1"
+EVAL = "meshfit eval runs/exp1 --data val.npy --seq-len 256 --windows 8"
+EVAL_HF = "meshfit eval hf/exp1 --data val.npy --seq-len 256 --windows 8 --nproc 2 --layout tp=2 --json"
 
 
 def _documented(command: str) -> None:
@@ -102,6 +105,13 @@ def test_torchrun_and_checkpoint_examples(tmp_path):
     assert _steps(run) == [1, 2, 3, 4, 5, 6]
     res = _run(EXPORT, tmp_path)
     assert res.returncode == 0, res.stderr
+    # The run's latest checkpoint and its export, on 8 windows of a token file, in one process and under TP 2.
+    np.save(tmp_path / "val.npy", np.arange(8 * 256 + 1, dtype=np.uint16) % 256)
+    res = _run(EVAL, tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("loss ") and "over 8 windows × 256 tokens" in res.stdout, \
+        res.stderr
+    exported = json.loads(_run(EVAL_HF, tmp_path).stdout)
+    assert exported["world_size"] == 2 and f"loss {exported['loss']:.4f} " in res.stdout
     res = _run(INIT_FROM, tmp_path, "--set", "train.steps=1", "--run-dir", "runs/init")
     assert res.returncode == 0 and "done: steps 1–1" in res.stdout, res.stderr
 

@@ -1,4 +1,4 @@
-"""The `meshfit` command line: one module per command (plan, verify, train, calibrate, demo, show, export),
+"""The `meshfit` command line: one module per command (plan, verify, train, eval, calibrate, demo, show, export),
 each with its own subparser (`add_parser`) and `run(args)`; this module dispatches to them."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from meshfit.commands import calibrate, demo, export, plan, prepare, show, train, verify
+from meshfit.commands import eval as eval_cmd
 from meshfit.config import ConfigError
 from meshfit.util.did_you_mean import did_you_mean
 from meshfit.util.paths import PathError
@@ -24,13 +25,15 @@ examples:
   meshfit train --config run.toml --set train.steps=100 --run-dir runs/exp1
   meshfit train --config run.toml --run-dir runs/exp1 --resume --nproc 4   continue, any layout
   meshfit export runs/exp1 --out hf/exp1          latest checkpoint as HF safetensors
+  meshfit eval runs/exp1 --data val.npy --seq-len 256 --windows 8   loss and perplexity, no training
   meshfit prepare corpus/ --tokenizer hf/llama --out data/corpus --workers 4   token shards to train on
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m meshfit train --config run.toml           multi-node: one launch per node
 """
 
 # In the order `meshfit --help` lists them.
-COMMANDS = {module.NAME: module for module in (train, plan, verify, export, prepare, demo, calibrate, show)}
+COMMANDS = {module.NAME: module for module in (train, eval_cmd, plan, verify, export, prepare, demo, calibrate,
+                                                show)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command].run(args)
     except (ConfigError, PathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if args.command == "train":
+        if args.command in ("train", "eval"):
             from meshfit.train.launch import tell_torchrun
 
             tell_torchrun(f"error: {exc}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from meshfit.data.errors import DataError
-from meshfit.data.loader import TokenBatches
+from meshfit.data.loader import TokenBatches, window_count
 from meshfit.data.synthetic import MarkovSource
 
 SYNTHETIC_FIRST = 1 << 62
@@ -43,7 +43,7 @@ def held_tokens(count: int, fraction: float) -> int:
 def check_size(name: str, count: int, seq_len: int, global_batch: int, batches: int) -> None:
     """`count` held-out tokens hold `batches` global batches of sequences (``seq_len + 1`` tokens, starting
     ``seq_len`` apart, as loader.py cuts them); DataError naming `name` and what would fit otherwise."""
-    windows = max(0, (count - 1) // seq_len)
+    windows = window_count(count, seq_len)
     need = batches * global_batch
     if windows >= need:
         return

@@ -168,4 +168,9 @@ def _windows(name: str, tokens: np.ndarray, seq_len: int) -> int:
             f"{name}: has {len(tokens)} tokens; one sequence needs seq_len+1 = {seq_len + 1} "
             "(use more data or a shorter seq_len)"
         )
-    return (len(tokens) - 1) // seq_len
+    return window_count(len(tokens), seq_len)
+
+
+def window_count(tokens: int, seq_len: int) -> int:
+    """How many windows of ``seq_len + 1`` tokens, starting ``seq_len`` apart, `tokens` tokens hold."""
+    return max(0, (tokens - 1) // seq_len)

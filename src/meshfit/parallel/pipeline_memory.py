@@ -99,7 +99,10 @@ class LeanStage(PipelineStage):
         return super().get_fwd_recv_ops(fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
-        self._allocate(self.grad_recv_info[bwd_chunk_id])
+        # A forward-only pass (schedule.eval) receives no gradient, as torch's own method says: nothing to
+        # allocate, and before a first backward (`meshfit eval`) not even the entries to allocate exist.
+        if self.has_backward and not self.is_last:
+            self._allocate(self.grad_recv_info[bwd_chunk_id])
         return super().get_bwd_recv_ops(bwd_chunk_id)
 
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:

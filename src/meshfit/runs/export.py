@@ -31,11 +31,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DEFAULT_MAX_SHARD = 5 * 10**9  # transformers' default shard size (5GB)
 
 
-def find_checkpoint(path: Path, notes: list[str] | None = None) -> Path:
+def find_checkpoint(path: Path, notes: list[str] | None = None, use: tuple[str, str] = ("export", "exporting")
+                    ) -> Path:
     """A checkpoint folder from: itself, a checkpoints folder, or a run folder (the latest intact one).
 
     A damaged checkpoint of a checkpoints or run folder is skipped for the one before it; `notes` gets a
-    line naming what was skipped and why (the export's own words, not a Python warning)."""
+    line naming what was skipped and why (the command's own words, not a Python warning). `use`: what the
+    command does with it, as a verb and its -ing form, for those words."""
     path = Path(path)
     if (path / store.MARKER).is_file():
         return path
@@ -48,11 +50,11 @@ def find_checkpoint(path: Path, notes: list[str] | None = None) -> Path:
                 problems.append(str(exc))
                 continue
             if notes is not None:
-                notes += [f"note: skipped a damaged checkpoint ({p}); exporting the one before it, {folder}"
+                notes += [f"note: skipped a damaged checkpoint ({p}); {use[1]} the one before it, {folder}"
                           for p in problems]
             return folder
         if problems:
-            raise CheckpointError(f"{path}: no intact checkpoint to export; every complete one is damaged:\n  "
+            raise CheckpointError(f"{path}: no intact checkpoint to {use[0]}; every complete one is damaged:\n  "
                                   + "\n  ".join(problems))
     what = "does not exist" if not path.exists() else "is a file" if path.is_file() else "holds no complete checkpoint"
     raise CheckpointError(f"{path} {what}: give a step-N checkpoint folder, a checkpoints folder or a run folder "

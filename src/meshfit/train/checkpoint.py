@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from meshfit.config import Config
 from meshfit.train import checkpoint_reader
@@ -289,6 +295,22 @@ class Checkpointer:
         else:
             torch.manual_seed(run.cfg.train.seed + step)
         return step
+
+
+def load_model_weights(run: Any, folder: Path) -> None:
+    """The model weights of checkpoint `folder` into this rank's laid-out model, resharded from whatever
+    layout saved them; nothing else of the run (optimizer, schedule, data position, RNG) is read or
+    changed. Collective: every rank calls it. The caller has checked the files and the model's shape."""
+    model_sd = get_model_state_dict(run.model)
+    model_sd, back = _plain_names(model_sd) if run.pipe is not None else (model_sd, {})
+    state = {"model": model_sd}
+    try:
+        checkpoint_reader.load(state, folder)  # allow-listed: nothing in a checkpoint runs
+    except checkpoint_reader.UnsafeCheckpoint:
+        raise
+    except Exception as exc:  # DCP wraps per-rank errors; name the checkpoint with the cause
+        raise CheckpointError(f"checkpoint {folder} cannot be loaded into this model: {_first_line(exc)}") from exc
+    set_model_state_dict(run.model, {back.get(k, k): v for k, v in state["model"].items()})
 
 
 def _check_compatible(folder: Path, marker: dict[str, Any], run: Any) -> None:

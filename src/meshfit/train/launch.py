@@ -176,9 +176,10 @@ def collect(run_dir: Path, exit_codes: dict[int, int] | None = None, since: floa
 
 
 def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: int = 0,
-                  save_timeout_s: float = 600.0) -> tuple[dict[int, int], str]:
-    """Run the ranks; returns the exit codes of those that failed (empty when all succeeded) and the name
-    of the signal that reached this launcher ("" when none)."""
+                  save_timeout_s: float = 600.0, module: str = "meshfit.train.worker") -> tuple[dict[int, int], str]:
+    """Run the ranks (`python -m module RUN_DIR CONFIG --launched` each); returns the exit codes of those
+    that failed (empty when all succeeded) and the name of the signal that reached this launcher ("" when
+    none)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -215,8 +216,7 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
     previous = signal.signal(signal.SIGINT, ctrl_c)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks end when this process does (lifeline.py)
     try:
-        elastic_launch(config, sys.executable)("-m", "meshfit.train.worker", str(run_dir), str(config_file),
-                                               "--launched")
+        elastic_launch(config, sys.executable)("-m", module, str(run_dir), str(config_file), "--launched")
     except ChildFailedError as exc:
         # The ranks' own reports in run_dir/failures say what happened; exit codes cover ranks that died.
         return {failure.local_rank: failure.exitcode for failure in exc.failures.values()}, "".join(received)
@@ -229,6 +229,13 @@ def _launch_local(run_dir: Path, config_file: Path, nproc: int, max_restarts: in
         # another failed (e.g. out of processes or memory). The config file names this launch's ranks.
         kill_children(str(config_file))
     return {}, "".join(received)
+
+
+def launch_local(work_dir: Path, config_file: Path, nproc: int, module: str,
+                 timeout_s: float) -> tuple[dict[int, int], str]:
+    """`nproc` local ranks of another entry point than training's (`meshfit eval`'s), through the same
+    machinery: the failed ranks' exit codes and the signal that reached this launcher, as `_launch_local`."""
+    return _launch_local(work_dir, config_file, nproc, save_timeout_s=timeout_s, module=module)
 
 
 def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: int = 0,

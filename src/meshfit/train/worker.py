@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,13 @@ def run_worker(run_dir: Path, cfg: Any, quiet: bool = False) -> int:
                 keep_freed_blocks()
             train(cfg, env, run_dir)
         except KeyboardInterrupt:
-            _abandon_group()  # Ctrl-C before the stop request was in place: nothing began, nothing to save
+            abandon_group()  # Ctrl-C before the stop request was in place: nothing began, nothing to save
             return INTERRUPTED
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
             write_failure(run_dir, rank, exc)
             if not quiet:
                 print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
-            _abandon_group()
+            abandon_group()
             return 1
         teardown()
     return 0
@@ -56,7 +57,7 @@ def warnings_to_log(run_dir: Path, rank: int) -> KeptWarnings:
                         ignore=("module forward hook with ``always_call=True``",))
 
 
-def _abandon_group() -> None:
+def abandon_group() -> None:
     # After a failure the other ranks may be inside a collective: no barrier, just drop the group.
     import torch.distributed as dist
 
@@ -64,7 +65,10 @@ def _abandon_group() -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def rank_main(run_rank: Callable[[Path, Any, Path], int]) -> None:
+    """The body of a launched rank's `__main__`: `run_rank(RUN_DIR, config, CONFIG)` with the validated
+    config read from CONFIG (sys.argv[1:3]), then os._exit with its code. Training's ranks and `meshfit
+    eval`'s start alike."""
     code = INTERRUPTED
     if "--launched" in sys.argv[3:]:
         from meshfit.util.lifeline import end_with_launcher
@@ -81,8 +85,7 @@ def main() -> None:
         except FileNotFoundError:
             # The launcher removes it when it ends: Ctrl-C reached it while this rank was still starting.
             sys.exit(INTERRUPTED)
-        cfg = config_from_dict(yaml.safe_load(text))
-        code = run_worker(run_dir, cfg, quiet="--launched" in sys.argv[3:])
+        code = run_rank(run_dir, config_from_dict(yaml.safe_load(text)), config_file)
     except KeyboardInterrupt:
         pass  # Ctrl-C while this rank was still importing: the launcher says what happened
     except SystemExit as exc:
@@ -90,6 +93,10 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def main() -> None:
+    rank_main(lambda run_dir, cfg, _: run_worker(run_dir, cfg, quiet="--launched" in sys.argv[3:]))
 
 
 if __name__ == "__main__":
