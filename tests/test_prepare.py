@@ -88,3 +88,85 @@ def test_four_workers_write_the_bytes_one_worker_writes(tmp_path: Path, tokenize
                      "--workers", workers, "--shard-tokens", "5000"]) == 0
     assert _shard_bytes(tmp_path / "1") == _shard_bytes(tmp_path / "4")
     assert read_metadata(tmp_path / "4")["documents"] == 4 * 15 * 40 + 1
+
+
+def _prepare(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, list[str]]:
+    code = main(["prepare", *argv])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_every_bad_input_is_one_error_line_and_leaves_nothing(tmp_path: Path, tokenizer: Path,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = _jsonl(tmp_path / "good.jsonl", DOCS[:3])
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
+    (tmp_path / "other.jsonl").write_text('{"text": "a"}\n{"body": "b", "id": 2}\n')
+    (tmp_path / "empty.jsonl").write_text('{"text": "a"}\n{"text": "   "}\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
+    (tmp_path / "notok").mkdir()
+    cases = [
+        ([str(good), str(tmp_path / "broken.jsonl")], tokenizer, "broken.jsonl, line 2: not JSON"),
+        ([str(tmp_path / "other.jsonl")], tokenizer, "other.jsonl, line 2: no field 'text' (found: body, id)"),
+        ([str(tmp_path / "empty.jsonl")], tokenizer, "empty.jsonl, line 2: empty document"),
+        ([str(tmp_path / "latin1.txt")], tokenizer, "latin1.txt: not UTF-8 text (byte 3"),
+        ([str(tmp_path / "nocol.parquet")], tokenizer, "nocol.parquet: no column 'text' (columns: body)"),
+        ([str(good)], tmp_path / "notok", "the folder has no tokenizer.json"),
+        ([str(tmp_path / "missing.jsonl")], tokenizer, "missing.jsonl: no such file or folder"),
+    ]
+    for inputs, tok, needle in cases:
+        code, err = _prepare(capsys, *inputs, "--tokenizer", str(tok), "--out", str(tmp_path / "out"))
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (needle, err)
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.prepare-*")), needle
+    code, _ = _prepare(capsys, str(tmp_path / "empty.jsonl"), "--tokenizer", str(tokenizer), "--out",
+                       str(tmp_path / "out"), "--skip-empty")
+    assert code == 0 and read_metadata(tmp_path / "out")["skipped_empty_documents"] == 1
+    code, err = _prepare(capsys, str(good), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
+    assert code == 2 and "already exists and is not empty" in err[0] and read_metadata(tmp_path / "out")["documents"] == 1
+    assert _prepare(capsys, str(good), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"),
+                    "--overwrite")[0] == 0 and read_metadata(tmp_path / "out")["documents"] == 3
+
+
+def _train_refusal(capsys: pytest.CaptureFixture, tmp_path: Path, *sets: str) -> str:
+    argv = ["train", "--run-dir", str(tmp_path / "run")]
+    for item in ["model.preset=tiny", "model.vocab_size=512", "train.seq_len=16", *sets]:
+        argv += ["--set", item]
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert not (tmp_path / "run").exists()
+    return err[0]
+
+
+def test_training_refuses_shards_cut_short_another_tokenizer_and_a_larger_vocabulary(
+        tmp_path: Path, tokenizer: Path, capsys: pytest.CaptureFixture) -> None:
+    good = _jsonl(tmp_path / "good.jsonl", DOCS)
+    assert main(["prepare", str(good), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "prep")]) == 0
+    shards = [f"data.source=tokens", f"data.path={tmp_path / 'prep'}"]
+    other = make_tokenizer(tmp_path / "other", vocab=290)
+    assert "is not the tokenizer data.path=" in _train_refusal(capsys, tmp_path, *shards, f"data.tokenizer={other}")
+    small = ["model.vocab_size=256", f"data.tokenizer={tokenizer}"]
+    assert "has 300 tokens, more than the model's vocabulary of 256" in _train_refusal(capsys, tmp_path, *shards, *small)
+    tokens = tmp_path / "prep" / "shard-00000.tokens"
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+    assert "shard-00000.tokens holds" in _train_refusal(capsys, tmp_path, *shards)
+
+
+def test_training_on_shards_equals_training_on_the_same_tokens_in_one_file(tmp_path: Path, tokenizer: Path) -> None:
+    from meshfit.config import load_config
+    from meshfit.train.launch import launch
+
+    good = _jsonl(tmp_path / "good.jsonl", DOCS * 4)
+    assert main(["prepare", str(good), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "prep"),
+                 "--shard-tokens", "500"]) == 0
+    np.save(tmp_path / "same.npy", np.concatenate(load_tokenizer(tokenizer).encode(DOCS * 4)))
+    base = ["model.preset=tiny", "model.vocab_size=512", "train.seq_len=32", "train.global_batch=4", "train.steps=3",
+            "data.source=tokens", "checkpoint.at_end=false"]
+    losses = {}
+    for name, path in (("shards", tmp_path / "prep"), ("file", tmp_path / "same.npy")):
+        outcome = launch(load_config(None, [*base, f"data.path={path}"]), tmp_path / name)
+        assert outcome.ok, outcome.message
+        losses[name] = outcome.result["losses"]
+    assert losses["shards"] == losses["file"]

@@ -53,7 +53,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
             msg = f"must be {_BOUNDS[err['type']]} {next(iter(err['ctx'].values())):g}"
         got = err.get("input")
         shown = "" if isinstance(got, dict) or err["type"] == "extra_forbidden" else f" (got {got!r})"
-        lines.append(f"{field}: {msg}{shown}")
+        lines.append(f"{field}: {msg}{shown}" if field else msg)  # a check across sections names its fields
     return ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(lines))
 
 

@@ -8,7 +8,7 @@ import typing
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from meshfit.config.files import ConfigError
 from meshfit.layout.data_parallel_kind import DEFAULT_MAX_UNIT_PARAMS
@@ -264,12 +264,21 @@ class TrainSection(_Section):
 class DataSection(_Section):
     source: Literal["synthetic", "text", "tokens"] = "synthetic"
     path: str | None = None
-    tokenizer: Literal["byte", "bpe"] = "byte"
+    # byte, bpe (trained on data.path's text), a Hugging Face tokenizer folder (tokenizer.json), or `model`:
+    # the tokenizer in model.init_from's folder. Folders are checked before the ranks start.
+    tokenizer: str = "byte"
     token_dtype: Literal["uint16", "uint32", "int32", "int64"] | None = None
     # Held-out data for train.eval_every: a file (or folder) like `path`, read with the same source,
     # tokenizer and token_dtype; or the last val_fraction of `path`'s tokens, then not trained on.
     val_path: str | None = None
     val_fraction: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be byte, bpe, model (model.init_from's tokenizer) or a tokenizer folder")
+        return value
 
 
 class CheckpointSection(_Section):
@@ -317,6 +326,16 @@ class Config(_Section):
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
     metrics: MetricsSection = MetricsSection()
+
+    @model_validator(mode="after")
+    def _tokenizer_of_the_model(self) -> Config:
+        """data.tokenizer=model names the folder model.init_from reads the weights from."""
+        if self.data.tokenizer == "model":
+            if not self.model.init_from:
+                raise ValueError("data.tokenizer=model takes the tokenizer of model.init_from's folder, but "
+                                 "model.init_from is not set; give a tokenizer folder, or byte / bpe")
+            self.data.tokenizer = self.model.init_from
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -57,7 +57,5 @@ def make_source(
         what = "a UTF-8 .txt file or a directory of .txt files" if source == "text" else "a .npy or .bin token file"
         raise ValueError(f"data.path is required when data.source={source!r}: give {what}")
     if source == "text":
-        if tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"data.tokenizer={tokenizer!r} is not valid; choose one of byte, bpe")
         return tokenize_text(path, tokenizer, vocab_size, cache_dir, trained_on)
     return load_token_file(path, vocab_size, dtype=token_dtype)

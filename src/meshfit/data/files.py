@@ -18,6 +18,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshfit.data.errors import DataError
+from meshfit.data.shards import METADATA, PreparedTokens, is_prepared
+from meshfit.data.tokenizer import load_tokenizer
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 TOKENIZERS = ("byte", "bpe")
@@ -37,6 +39,12 @@ def load_token_file(path: str | os.PathLike, vocab_size: int, dtype: str | None 
     ``np.memmap`` keeps the file name in ``.filename``.
     """
     path = Path(path)
+    if is_prepared(path):  # a `meshfit prepare` folder: its metadata holds the largest id, nothing is scanned
+        tokens = PreparedTokens(path)
+        if tokens.max_id >= vocab_size:
+            raise DataError(f"{path}: holds token id {tokens.max_id} ({METADATA}); ids must be < vocab_size="
+                            f"{vocab_size} (prepare it with the model's tokenizer)")
+        return tokens
     tokens = _open_token_file(path, dtype)
     _check_range(path, tokens, vocab_size)
     return tokens
@@ -52,7 +60,7 @@ def check_files(source: str, path: str | os.PathLike, seq_len: int, tokenizer: s
     path = Path(path)
     need = f"one sequence needs train.seq_len + 1 = {seq_len + 1}"
     if source == "tokens":
-        count = len(_open_token_file(path, token_dtype))
+        count = len(PreparedTokens(path)) if is_prepared(path) else len(_open_token_file(path, token_dtype))
         if count < seq_len + 1:
             raise DataError(f"{path}: has {count} tokens; {need} (use more data or a shorter train.seq_len)")
         return
@@ -93,7 +101,7 @@ def token_count(source: str, path: str | os.PathLike, tokenizer: str = "byte",
     """How many tokens a data file holds, known before training: None for BPE text (not yet trained)."""
     path = Path(path)
     if source == "tokens":
-        return len(_open_token_file(path, token_dtype))
+        return len(PreparedTokens(path)) if is_prepared(path) else len(_open_token_file(path, token_dtype))
     if tokenizer != "byte":
         return None
     return sum(file.stat().st_size for file in _text_files(path))  # one token per byte
@@ -102,8 +110,9 @@ def token_count(source: str, path: str | os.PathLike, tokenizer: str = "byte",
 def _open_token_file(path: Path, dtype: str | None) -> np.ndarray:
     """The memory-mapped tokens of a file whose form is right (not yet range-checked)."""
     if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise DataError(f"{path}: {what}; expected a token file (.npy, or raw .bin)")
+        what = f"is a directory without {METADATA}" if path.is_dir() else "does not exist"
+        raise DataError(f"{path}: {what}; expected a token file (.npy, or raw .bin) or a folder `meshfit prepare` "
+                        "wrote")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: file is empty; a token file needs at least one token")
     if path.suffix == ".npy":
@@ -226,8 +235,10 @@ def tokenize_text(
     the model trains on).
     """
     path = Path(path)
-    if tokenizer not in TOKENIZERS:
-        raise DataError(f"{path}: tokenizer {tokenizer!r} is not supported; valid: {', '.join(TOKENIZERS)}")
+    if tokenizer not in TOKENIZERS:  # a Hugging Face tokenizer folder: each file is one document
+        pretrained = load_tokenizer(tokenizer)
+        texts = [_decode(file, file.read_bytes()) for file in _text_files(path)]
+        return np.concatenate(pretrained.encode(texts))
     if vocab_size < 256:
         raise DataError(f"{path}: {tokenizer!r} tokenization needs vocab_size >= 256 (got {vocab_size})")
     raw = {file: file.read_bytes() for file in _text_files(path)}

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from meshfit.data.files import _text_files
+from meshfit.data.shards import files_of, is_prepared
+from meshfit.data.tokenizer import is_tokenizer_folder, load_tokenizer
 
 FULL_HASH_BYTES = 1 << 30
 SAMPLES = 256
@@ -25,6 +27,8 @@ SAMPLE_BYTES = 1 << 20
 
 def data_files(source: str, path: str | os.PathLike) -> list[Path]:
     """The files a data source reads, as the loaders list them."""
+    if source == "tokens" and is_prepared(path):
+        return files_of(path)
     return _text_files(Path(path)) if source == "text" else [Path(path)]
 
 
@@ -53,6 +57,13 @@ def fingerprint(files: list[Path]) -> tuple[str, str]:
     return ("sha256" if full else "sha256-sampled"), digest.hexdigest()
 
 
+def tokenizer_identity(tokenizer: str) -> str:
+    """byte, bpe, or a tokenizer folder by its contents (the same files elsewhere are the same tokenizer)."""
+    if tokenizer in ("byte", "bpe") or not is_tokenizer_folder(tokenizer):
+        return tokenizer
+    return f"sha256:{load_tokenizer(tokenizer).digest}"
+
+
 def data_identity(data: Any) -> dict[str, Any]:
     """The identity of a config's data section (synthetic data: its source alone; the seed is train's)."""
     if data.source == "synthetic":
@@ -61,7 +72,7 @@ def data_identity(data: Any) -> dict[str, Any]:
     kind, digest = fingerprint(files)
     return {"source": data.source, "path": str(Path(data.path).resolve()), "files": len(files),
             "bytes": sum(file.stat().st_size for file in files), "fingerprint": f"{kind}:{digest}",
-            "tokenizer": data.tokenizer,
+            "tokenizer": tokenizer_identity(data.tokenizer),
             "token_dtype": data.token_dtype}
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from meshfit.data.errors import DataError
+from meshfit.data.shards import PreparedTokens
 from meshfit.data.synthetic import MarkovSource
 
 
@@ -46,7 +47,7 @@ class TokenBatches:
         # load_token_file already carry their file name.
         self.file = name or _default_name(source)
         _check_shape(self.file, seq_len, global_batch, dp_rank, dp_size)
-        if not isinstance(source, MarkovSource):
+        if not isinstance(source, (MarkovSource, PreparedTokens)):  # prepared shards are read by index
             source = np.asarray(source)  # accepts memmaps (no copy), lists and CPU tensors
         self.source = source
         self.seq_len = seq_len

@@ -108,7 +108,8 @@ def _batch_shape(cfg: Config, dims: ParallelDims, micro_batch: int | None) -> tu
 def _check_data(cfg: Config, vocab_size: int) -> None:
     data = cfg.data
     if data.source in ("text", "tokens"):
-        what = "a UTF-8 .txt file or a folder of them" if data.source == "text" else "a .npy or .bin token file"
+        what = ("a UTF-8 .txt file or a folder of them" if data.source == "text"
+                else "a .npy or .bin token file, or a folder `meshfit prepare` wrote")
         if not data.path:
             raise ConfigError(f"data.path is required when data.source={data.source!r}: give {what}")
         if not Path(data.path).exists():
@@ -118,12 +119,33 @@ def _check_data(cfg: Config, vocab_size: int) -> None:
             f"data.tokenizer=byte needs model.vocab_size ≥ 256 (got {vocab_size}); raise model.vocab_size "
             "or use data.tokenizer=bpe"
         )
+    if data.tokenizer not in ("byte", "bpe") and data.source != "synthetic":
+        _check_tokenizer(data, vocab_size)
     if data.source != "synthetic":
         # The files' shape (dtype, size, length) is checked here, once, rather than on every rank.
         try:
             check_files(data.source, data.path, cfg.train.seq_len, data.tokenizer, data.token_dtype, vocab_size)
         except DataError as exc:
             raise ConfigError(f"data.path: {exc}") from None
+
+
+def _check_tokenizer(data: Any, vocab_size: int) -> None:
+    """A tokenizer folder is readable, fits the model's vocabulary, and is the one prepared shards were
+    made with."""
+    from meshfit.data.shards import is_prepared, read_metadata
+    from meshfit.data.tokenizer import check_vocabulary, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(data.tokenizer)
+        check_vocabulary(tokenizer, vocab_size)
+        if data.source == "tokens" and data.path and is_prepared(data.path):
+            prepared = read_metadata(data.path)["tokenizer"]
+            if prepared["sha256"] != tokenizer.digest:
+                raise DataError(f"data.tokenizer={data.tokenizer} is not the tokenizer data.path={data.path} was "
+                                f"prepared with ({prepared['path']}, sha256 {prepared['sha256'][:12]}…, now "
+                                f"{tokenizer.digest[:12]}…); prepare the data again, or use that tokenizer")
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_init_from(cfg: Config, model: Any) -> None:
