@@ -5,7 +5,7 @@ of a run on the prepared shards against the same corpus as text, which every ran
 
 The corpus is JSONL of Zipf-distributed words (deterministic, seed 0); the tokenizer a byte-level BPE of
 8,000 tokens trained here on its first 4 MB. Peak memory is the largest resident set of the prepare
-process and its workers (RUSAGE_CHILDREN). Start-up is the time from the launch to the first logged step
+process and its workers (RUSAGE_CHILDREN of a wrapper). Start-up is the time from the launch to the first logged step
 (2 ranks, `tiny` with the tokenizer's vocabulary, 1 step).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -62,15 +61,19 @@ def tokenizer(folder: Path, jsonl: Path) -> Path:
     return folder
 
 
+# Runs a command and prints the largest resident set among it and the processes it waited for (its workers).
+_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
 def prepare(jsonl: Path, tok: Path, out: Path, workers: int) -> tuple[float, int, int]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     began = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "meshfit", "prepare", str(jsonl), "--tokenizer", str(tok), "--out",
-                    str(out), "--workers", str(workers), "--overwrite"], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "meshfit", "prepare", str(jsonl),
+                           "--tokenizer", str(tok), "--out", str(out), "--workers", str(workers), "--overwrite"],
+                          check=True, capture_output=True, text=True)
     seconds = time.perf_counter() - began
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     tokens = json.loads((out / "meshfit-data.json").read_text())["tokens"]
-    return seconds, tokens, peak if peak > before * 1024 else -1
+    return seconds, tokens, int(done.stdout.split()[-1]) * 1024
 
 
 def startup(work: Path, sets: list[str]) -> float:
@@ -95,7 +98,7 @@ def main() -> None:
     print(f"corpus: {jsonl.stat().st_size / 1e6:.0f} MB of JSONL")
     for workers in (1, 2, 4):
         seconds, tokens, peak = prepare(jsonl, tok, args.work / "prepared", workers)
-        shown = f"{peak / 2**20:.0f} MiB" if peak > 0 else "(below an earlier run's)"
+        shown = f"{peak / 2**20:.0f} MiB"
         print(f"prepare --workers {workers}: {tokens / seconds / 1e6:.2f}M tokens/s ({tokens / 1e6:.1f}M tokens in "
               f"{seconds:.1f} s), peak resident memory of one process {shown}")
     shards = startup(args.work, ["data.source=tokens", f"data.path={args.work / 'prepared'}", f"data.tokenizer={tok}"])
