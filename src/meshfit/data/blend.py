@@ -55,9 +55,10 @@ def block_counts(weights: Sequence[float], block: int) -> np.ndarray:
 
 
 def sufficient_block(weights: Sequence[float]) -> int:
-    """A block in which every source gets at least one sequence: ⌈1 / smallest share⌉ (then
-    ⌊block · share⌋ ≥ 1 for each)."""
-    return math.ceil(1 / normalized(weights).min())
+    """A block in which every source gets at least one sequence: ⌈Σw / min w⌉ (then ⌊block · share⌋ ≥ 1 for
+    each; the remainders may make a smaller one do too)."""
+    normalized(weights)  # refuses weights that are not finite and > 0
+    return math.ceil(math.fsum(weights) / min(weights))
 
 
 class Blend:
