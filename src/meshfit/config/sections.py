@@ -276,8 +276,9 @@ class DataSection(_Section):
     # Instead of `path`: a weighted mixture, [{path, weight, val_fraction}, …] (data/blend.py); on the
     # command line as YAML, e.g. --set 'data.sources=[{path: a.npy, weight: 3}, {path: b.npy, weight: 1}]'.
     sources: list[SourceEntry] | None = None
-    # Sequences per block of the blend: in each, every source gets its share of them, rounded.
-    mix_block: int = Field(DEFAULT_BLOCK, ge=1)
+    # Sequences per block of the blend: in each, every source gets its share of them, rounded. At most
+    # 10^7: each rank holds a table of 16 bytes per sequence of the block it reads.
+    mix_block: int = Field(DEFAULT_BLOCK, ge=1, le=10**7)
     # Read the windows of each epoch in a seeded order (data/windows.py); unset: on for a prepared data
     # folder (one holding meshfit-data.json), off for anything else (file order).
     shuffle: bool | None = None

@@ -11,7 +11,7 @@ sequence of source ``s`` in that block (counting positions in order), it is that
 ``k = b · n_s + r``: each source is read in its own order, without gaps or repeats, at exactly ``n_s``
 sequences per block. Nothing depends on anything but (seed, weights, block, g), so the position of a
 mixture is still one integer (loader.py), valid under any data-parallel size. One block's table costs
-O(block); the last few are kept.
+O(block); the last two are kept.
 
 Realized shares: over whole blocks exactly ``n_s / block``; within a block, a prefix of positions holds a
 hypergeometric sample (drawn without replacement), whose spread is at most a binomial draw's.
@@ -29,7 +29,7 @@ from meshfit.data.permutation import IndexPermutation
 
 DEFAULT_BLOCK = 1000
 _SALT = 0x626C656E64  # "blend": the block order's key differs from any window order's
-_CACHED_BLOCKS = 8
+_CACHED_BLOCKS = 2  # a batch rarely spans more; a table is 16 bytes per sequence of the block
 
 
 def normalized(weights: Sequence[float]) -> np.ndarray:
