@@ -163,7 +163,7 @@ def test_training_on_shards_equals_training_on_the_same_tokens_in_one_file(tmp_p
                  "--shard-tokens", "500"]) == 0
     np.save(tmp_path / "same.npy", np.concatenate(load_tokenizer(tokenizer).encode(DOCS * 4)))
     base = ["model.preset=tiny", "model.vocab_size=512", "train.seq_len=32", "train.global_batch=4", "train.steps=3",
-            "data.source=tokens", "checkpoint.at_end=false"]
+            "data.source=tokens", "checkpoint.at_end=false", "data.shuffle=true"]  # prepared data shuffles by default
     losses = {}
     for name, path in (("shards", tmp_path / "prep"), ("file", tmp_path / "same.npy")):
         outcome = launch(load_config(None, [*base, f"data.path={path}"]), tmp_path / name)

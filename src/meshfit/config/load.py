@@ -21,7 +21,8 @@ _TYPE_MESSAGES = {
     "int_parsing": "expected an integer", "int_type": "expected an integer",
     "int_from_float": "expected an integer", "float_parsing": "expected a number", "float_type": "expected a number",
     "bool_parsing": "expected true or false", "bool_type": "expected true or false",
-    "string_type": "expected a string", "list_type": "expected a list",
+    "string_type": "expected a string", "finite_number": "must be a finite number",
+    "missing": "is required", "list_type": "expected a list",
     "model_type": "expected a section of keys (a [table] in TOML, a mapping in YAML or JSON)",
     "dict_type": "expected a section of keys (a [table] in TOML, a mapping in YAML or JSON)",
 }
@@ -41,7 +42,7 @@ def _unknown_key(loc: tuple) -> str:
 def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
     lines = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"])
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = _unknown_key(err["loc"])

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from meshfit.config.files import ConfigError
+from meshfit.data.blend import DEFAULT_BLOCK
 from meshfit.layout.data_parallel_kind import DEFAULT_MAX_UNIT_PARAMS
 from meshfit.layout.recompute import AC_EVERY, AC_MODES
 from meshfit.layout.schedules import SCHEDULES
@@ -261,9 +262,26 @@ class TrainSection(_Section):
         return value
 
 
+class SourceEntry(_Section):
+    """One source of a weighted mixture (data.sources)."""
+
+    path: str  # what data.path accepts, read with the data section's source, tokenizer and token_dtype
+    weight: float = Field(gt=0)  # relative: a mixture's weights need not sum to 1
+    val_fraction: float = Field(0.0, ge=0, lt=1)  # its last share of tokens held out (then not trained on)
+
+
 class DataSection(_Section):
     source: Literal["synthetic", "text", "tokens"] = "synthetic"
     path: str | None = None
+    # Instead of `path`: a weighted mixture, [{path, weight, val_fraction}, …] (data/blend.py); on the
+    # command line as YAML, e.g. --set 'data.sources=[{path: a.npy, weight: 3}, {path: b.npy, weight: 1}]'.
+    sources: list[SourceEntry] | None = None
+    # Sequences per block of the blend: in each, every source gets its share of them, rounded. At most
+    # 10^7: each rank holds a table of 16 bytes per sequence of the block it reads.
+    mix_block: int = Field(DEFAULT_BLOCK, ge=1, le=10**7)
+    # Read the windows of each epoch in a seeded order (data/windows.py); unset: on for a prepared data
+    # folder (one holding meshfit-data.json), off for anything else (file order).
+    shuffle: bool | None = None
     # byte, bpe (trained on data.path's text), a Hugging Face tokenizer folder (tokenizer.json), or `model`:
     # the tokenizer in model.init_from's folder. Folders are checked before the ranks start.
     tokenizer: str = "byte"
@@ -278,6 +296,20 @@ class DataSection(_Section):
     def _tokenizer(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must be byte, bpe, model (model.init_from's tokenizer) or a tokenizer folder")
+        return value
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _sources(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set data.sources=[{path: a.npy, weight: 1}, …]
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                raise ValueError(f"write the sources as a YAML list, e.g. [{{path: a.npy, weight: 3}}, "
+                                 f"{{path: b.npy, weight: 1}}] ({exc.__class__.__name__})") from None
+        if value is not None and not value:
+            raise ValueError("lists no source; give at least one {path, weight}, or leave data.sources unset "
+                             "and give data.path")
         return value
 
 

@@ -5,6 +5,9 @@ Typical use::
     source = make_source(cfg.data.source, path=cfg.data.path, vocab_size=V, seed=seed)
     batches = TokenBatches(source, seq_len=T, global_batch=B, dp_rank=r, dp_size=n, name=cfg.data.path)
     inputs, targets = batches.next_batch()
+
+A weighted mixture of token arrays is a ``Mixture`` of ``Part``s, read by ``TokenBatches`` the same way;
+``shuffle=True`` reads a token array's windows in a seeded order per epoch.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ import numpy as np
 from meshfit.data.errors import DataError
 from meshfit.data.files import check_files, load_token_file, tokenize_text, write_token_file
 from meshfit.data.loader import TokenBatches
+from meshfit.data.mixture import Mixture, Part
 from meshfit.data.synthetic import MarkovSource
 
 __all__ = [
     "DataError",
     "MarkovSource",
+    "Mixture",
+    "Part",
     "TokenBatches",
     "check_files",
     "load_token_file",

@@ -19,10 +19,12 @@ from typing import Any
 from meshfit.data.files import _text_files
 from meshfit.data.shards import files_of, is_prepared
 from meshfit.data.tokenizer import is_tokenizer_folder, load_tokenizer
+from meshfit.data.windows import resolve_shuffle
 
 FULL_HASH_BYTES = 1 << 30
 SAMPLES = 256
 SAMPLE_BYTES = 1 << 20
+_ABSENT = {"shuffle": False}  # what an identity without the key means
 
 
 def data_files(source: str, path: str | os.PathLike) -> list[Path]:
@@ -64,25 +66,46 @@ def tokenizer_identity(tokenizer: str) -> str:
     return f"sha256:{load_tokenizer(tokenizer).digest}"
 
 
-def data_identity(data: Any) -> dict[str, Any]:
-    """The identity of a config's data section (synthetic data: its source alone; the seed is train's)."""
+def data_identity(data: Any, seed: int | None = None) -> dict[str, Any]:
+    """The identity of a config's data section (synthetic data: its source alone; the seed is train's). A
+    seeded order (data.shuffle, data.sources) adds `seed`, train.seed, which chooses it."""
     if data.source == "synthetic":
         return {"source": "synthetic"}
-    files = data_files(data.source, data.path)
+    if data.sources is not None:
+        return _mixture_identity(data, seed)
+    identity = {"source": data.source, **_files_identity(data.source, data.path),
+                "tokenizer": tokenizer_identity(data.tokenizer), "token_dtype": data.token_dtype}
+    if resolve_shuffle(data.shuffle, data.path):  # absent when off: file order, as before the setting existed
+        identity |= {"shuffle": True, "seed": seed}
+    return identity
+
+
+def _files_identity(source: str, path: str) -> dict[str, Any]:
+    files = data_files(source, path)
     kind, digest = fingerprint(files)
-    return {"source": data.source, "path": str(Path(data.path).resolve()), "files": len(files),
-            "bytes": sum(file.stat().st_size for file in files), "fingerprint": f"{kind}:{digest}",
-            "tokenizer": tokenizer_identity(data.tokenizer),
-            "token_dtype": data.token_dtype}
+    return {"path": str(Path(path).resolve()), "files": len(files),
+            "bytes": sum(file.stat().st_size for file in files), "fingerprint": f"{kind}:{digest}"}
+
+
+def _mixture_identity(data: Any, seed: int | None) -> dict[str, Any]:
+    """Flat, so that a difference names the source and what changed in it (`sources[1].weight`)."""
+    identity = {"source": data.source, "tokenizer": tokenizer_identity(data.tokenizer), "token_dtype": data.token_dtype,
+                "sources": len(data.sources), "mix_block": data.mix_block, "seed": seed}
+    for i, entry in enumerate(data.sources):
+        part = {**_files_identity(data.source, entry.path), "weight": entry.weight,
+                "val_fraction": entry.val_fraction, "shuffle": resolve_shuffle(data.shuffle, entry.path)}
+        identity |= {f"sources[{i}].{key}": value for key, value in part.items()}
+    return identity
 
 
 def identity_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """`data.key: saved …, now …` for each part of the identity that differs (contents by fingerprint)."""
     lines = []
     for key in dict.fromkeys([*saved, *now]):
-        if saved.get(key) != now.get(key):
-            what = "contents (fingerprint)" if key == "fingerprint" else key
-            lines.append(f"data {what}: saved {_short(saved.get(key))}, now {_short(now.get(key))}")
+        before, after = saved.get(key, _ABSENT.get(key)), now.get(key, _ABSENT.get(key))
+        if before != after:
+            what = key.replace("fingerprint", "contents (fingerprint)")
+            lines.append(f"data {what}: saved {_short(before)}, now {_short(after)}")
     return lines
 
 

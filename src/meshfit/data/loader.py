@@ -6,12 +6,10 @@ Sample model: global sequence ``g`` holds ``seq_len + 1`` tokens (inputs are
 takes the contiguous rows ``[r * local, (r + 1) * local)`` of that range,
 ``local = global_batch // dp_size``.
 
-For a token array of ``n`` tokens the stream is cut into
-``W = (n - 1) // seq_len`` windows of ``seq_len + 1`` tokens that start
-``seq_len`` apart, so each token after the first is a target exactly once per
-pass. Sequence ``g`` is window ``g % W`` (``g // W`` is the epoch); the last
-``(n - 1) % seq_len`` tokens are never targets. A ``MarkovSource`` provides
-sequence ``g`` directly.
+A token array's sequence ``g`` is its ``g``-th window (windows.py: in file
+order, or in a seeded order per epoch with ``shuffle``). A ``Mixture``'s
+sequence ``g`` is sequence ``k`` of source ``s``, both computed from ``g``
+(blend.py). A ``MarkovSource`` provides sequence ``g`` directly.
 
 The position is a count of global sequences, so a checkpoint resumes on the
 same data under any ``dp_size`` that divides ``global_batch``.
@@ -25,9 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfit.data.blend import Blend
 from meshfit.data.errors import DataError
-from meshfit.data.shards import PreparedTokens
+from meshfit.data.mixture import Mixture
 from meshfit.data.synthetic import MarkovSource
+from meshfit.data.windows import TokenArray, Windows
+
+Source = MarkovSource | Mixture | TokenArray
 
 
 class TokenBatches:
@@ -35,20 +37,23 @@ class TokenBatches:
 
     def __init__(
         self,
-        source: MarkovSource | np.ndarray,
+        source: Source,
         *,
         seq_len: int,
         global_batch: int,
         dp_rank: int,
         dp_size: int,
         name: str | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
     ) -> None:
         # `name` is what error messages call the data; memmaps from
-        # load_token_file already carry their file name.
+        # load_token_file already carry their file name. `shuffle` and `seed`:
+        # a token array's window order (a mixture's sources carry their own).
         self.file = name or _default_name(source)
         _check_shape(self.file, seq_len, global_batch, dp_rank, dp_size)
-        if not isinstance(source, (MarkovSource, PreparedTokens)):  # prepared shards are read by index
-            source = np.asarray(source)  # accepts memmaps (no copy), lists and CPU tensors
+        if isinstance(source, (list, tuple, torch.Tensor)):
+            source = np.asarray(source)  # lists and CPU tensors; arrays, memmaps and shard readers stay as given
         self.source = source
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -56,9 +61,15 @@ class TokenBatches:
         self.dp_size = dp_size
         self.local_batch = global_batch // dp_size
         self.sequences_consumed = 0
-        self.windows_per_epoch: int | None = None
-        if not isinstance(source, MarkovSource):
-            self.windows_per_epoch = _windows(self.file, source, seq_len)
+        self.streams: list[Windows] = []
+        self.blend: Blend | None = None
+        if isinstance(source, Mixture):
+            self.streams = [Windows(part.tokens, seq_len, part.name, shuffle=part.shuffle, seed=seed, stream=i)
+                            for i, part in enumerate(source.parts)]
+            self.blend = Blend(source.weights, source.block, seed)
+        elif not isinstance(source, MarkovSource):
+            self.streams = [Windows(source, seq_len, self.file, shuffle=shuffle, seed=seed)]
+        self.windows_per_epoch = self.streams[0].count if len(self.streams) == 1 and not self.blend else None
 
     def __repr__(self) -> str:
         return (
@@ -73,10 +84,16 @@ class TokenBatches:
 
     @property
     def epoch(self) -> int:
-        """Completed passes over a token array (always 0 for synthetic data)."""
-        if self.windows_per_epoch is None:
-            return 0
-        return self.sequences_consumed // self.windows_per_epoch
+        """Completed passes over a token array (a mixture: over the source read furthest through; synthetic
+        data: always 0)."""
+        return max(self.source_epochs(), default=0)
+
+    def source_epochs(self) -> list[int]:
+        """Completed passes over each source (one for a token array, none for synthetic data)."""
+        if self.blend is None:
+            return [self.sequences_consumed // s.count for s in self.streams]
+        read = self.blend.consumed(self.sequences_consumed)
+        return [int(n) // s.count for n, s in zip(read, self.streams, strict=True)]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(inputs, targets)``, both int64 ``[local_batch, seq_len]``, then advance one step."""
@@ -99,6 +116,7 @@ class TokenBatches:
             "seq_len": self.seq_len,
             "step": self.step,
             "epoch": self.epoch,
+            **({"source_epochs": self.source_epochs()} if self.blend else {}),
             "source": _describe(self.source),
         }
 
@@ -125,15 +143,22 @@ class TokenBatches:
         length = self.seq_len + 1
         if isinstance(self.source, MarkovSource):
             return self.source.sequences(range(first, first + count), length)
-        starts = (np.arange(first, first + count) % self.windows_per_epoch) * self.seq_len
-        # Fancy indexing reads only these rows from a memmap.
-        rows = self.source[starts[:, None] + np.arange(length)]
-        return torch.from_numpy(rows.astype(np.int64))
+        g = np.arange(first, first + count)
+        if self.blend is None:
+            return torch.from_numpy(self.streams[0].rows(g).astype(np.int64))
+        source, index = self.blend.locate(g)
+        rows = np.empty((count, length), dtype=np.int64)
+        for s in np.unique(source):
+            here = source == s
+            rows[here] = self.streams[s].rows(index[here])
+        return torch.from_numpy(rows)
 
 
 def _default_name(source: object) -> str:
     if isinstance(source, MarkovSource):
         return repr(source)
+    if isinstance(source, Mixture):
+        return f"mixture of {', '.join(part.name for part in source.parts)}"
     filename = getattr(source, "filename", None)
     return str(filename) if filename else "token array"
 
@@ -142,6 +167,8 @@ def _describe(source: object) -> str:
     """Short identity of the data, stored in the state to catch resuming on other data."""
     if isinstance(source, MarkovSource):
         return repr(source)
+    if isinstance(source, Mixture):
+        return source.describe()
     return f"token array of {len(source)} tokens"
 
 
@@ -160,18 +187,3 @@ def _check_shape(name: str, seq_len: int, global_batch: int, dp_rank: int, dp_si
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"{name}: dp_rank={dp_rank} is out of range for dp_size={dp_size}; valid: 0..{dp_size - 1}")
 
-
-def _windows(name: str, tokens: np.ndarray, seq_len: int) -> int:
-    if tokens.ndim != 1:
-        raise DataError(f"{name}: token array has shape {tokens.shape}; it must be 1-D")
-    if len(tokens) < seq_len + 1:
-        raise DataError(
-            f"{name}: has {len(tokens)} tokens; one sequence needs seq_len+1 = {seq_len + 1} "
-            "(use more data or a shorter seq_len)"
-        )
-    return window_count(len(tokens), seq_len)
-
-
-def window_count(tokens: int, seq_len: int) -> int:
-    """How many windows of ``seq_len + 1`` tokens, starting ``seq_len`` apart, `tokens` tokens hold."""
-    return max(0, (tokens - 1) // seq_len)

@@ -19,7 +19,7 @@ from typing import Any
 from meshfit.config import Config, ConfigError, load_config
 from meshfit.data import DataError, check_files, load_token_file
 from meshfit.data.files import token_count, tokenize_text
-from meshfit.data.loader import window_count
+from meshfit.data.windows import window_count
 from meshfit.layout.layout import Layout, parse_assignments
 from meshfit.layout.schedules import least_microbatches
 from meshfit.models.config import ModelConfig

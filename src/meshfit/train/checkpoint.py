@@ -88,7 +88,7 @@ def launched_data(cfg: Config) -> dict[str, Any]:
     from meshfit.data.fingerprint import data_identity
 
     text = os.environ.get(store.DATA_ENV)
-    return json.loads(text) if text else {"identity": data_identity(cfg.data), "changed": []}
+    return json.loads(text) if text else {"identity": data_identity(cfg.data, cfg.train.seed), "changed": []}
 
 
 def _marker_info(run: Any, step: int, data: dict[str, Any] | None) -> dict[str, Any]:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from meshfit.config import Config, ConfigError
 from meshfit.data import DataError, MarkovSource, check_files, make_source
 from meshfit.data.files import token_count
 from meshfit.data.heldout import HeldOut, check_size, held_out_batches, held_tokens, split_tokens
-
-Source = MarkovSource | np.ndarray
+from meshfit.data.loader import Source
+from meshfit.data.mixture import Mixture
+from meshfit.data.windows import resolve_shuffle
+from meshfit.train.data_mix import mixture_sources
 
 
 def check_held_out(cfg: Config) -> None:
@@ -29,6 +29,10 @@ def check_held_out(cfg: Config) -> None:
                                   f"stream of the same synthetic language that training never reads; leave "
                                   f"data.{key} unset")
         return
+    if data.sources is not None:  # the sources' held-out shares: data_mix.check_mixture
+        if data.val_path:
+            _held_file(cfg)
+        return
     if data.val_path and data.val_fraction:
         raise ConfigError("data.val_path and data.val_fraction are both set: hold out either a file of its own "
                           "or the last share of data.path, not both")
@@ -36,11 +40,18 @@ def check_held_out(cfg: Config) -> None:
         raise ConfigError(f"train.eval_every={train.eval_every} needs held-out data with data.source={data.source}: "
                           "set data.val_path (a file like data.path) or data.val_fraction (e.g. 0.05: the last "
                           "5% of data.path's tokens, then not trained on)")
-    try:
-        if data.val_path:
-            _check_file(cfg)
-        elif data.val_fraction:
+    if data.val_path:
+        _held_file(cfg)
+    elif data.val_fraction:
+        try:
             _check_share(cfg)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def _held_file(cfg: Config) -> None:
+    try:
+        _check_file(cfg)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -75,6 +86,8 @@ def data_sources(cfg: Config, vocab_size: int, cache_dir: str | os.PathLike | No
     """(what training reads, the held-out data or None). The training part does not depend on
     train.eval_every: turning evaluation on or off never changes what a run trains on."""
     data, seed = cfg.data, cfg.train.seed
+    if data.sources is not None:
+        return mixture_sources(cfg, vocab_size, cache_dir)
     source = make_source(data.source, path=data.path, vocab_size=vocab_size, seed=seed, tokenizer=data.tokenizer,
                          token_dtype=data.token_dtype, cache_dir=cache_dir)
     if isinstance(source, MarkovSource):
@@ -89,6 +102,19 @@ def data_sources(cfg: Config, vocab_size: int, cache_dir: str | os.PathLike | No
     return source, held
 
 
+def data_name(cfg: Config) -> str | None:
+    """What errors and the data state call the training data: data.path (tokenized text is an in-memory
+    array, which would otherwise be "token array"), or the mixture's sources."""
+    if cfg.data.sources is not None:
+        return f"data.sources ({', '.join(entry.path for entry in cfg.data.sources)})"
+    return cfg.data.path if cfg.data.source != "synthetic" else None
+
+
+def window_order(cfg: Config, path: str | None) -> bool:
+    """Whether the token array read from `path` is read shuffled (a mixture's sources carry their own)."""
+    return cfg.data.source != "synthetic" and resolve_shuffle(cfg.data.shuffle, path)
+
+
 def held_out_reader(cfg: Config, held: Source | None, dp_rank: int, dp_size: int) -> HeldOut | None:
     """This rank's reader of the held-out batches (None when the run does not evaluate)."""
     if held is None:
@@ -96,9 +122,12 @@ def held_out_reader(cfg: Config, held: Source | None, dp_rank: int, dp_size: int
     data, train = cfg.data, cfg.train
     if isinstance(held, MarkovSource):
         name = f"held-out stream of {held!r}"
+    elif isinstance(held, Mixture):
+        name = "the held-out shares of data.sources"
     elif data.val_path:
         name = f"data.val_path {data.val_path}"
     else:
         name = f"data.val_fraction={data.val_fraction:g} (the last {len(held)} tokens of data.path)"
     return held_out_batches(held, seq_len=train.seq_len, global_batch=train.global_batch, dp_rank=dp_rank,
-                            dp_size=dp_size, batches=train.eval_batches, name=name)
+                            dp_size=dp_size, batches=train.eval_batches, name=name,
+                            shuffle=window_order(cfg, data.val_path or data.path), seed=train.seed)

@@ -258,7 +258,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
         if leader:  # one process at a time in a run directory, from its checks to the end of the run
             held.enter_context(preflight.held(run_dir))
         removed, resume = [], preflight.Resume()
-        data = data_identity(cfg.data) if leader else None  # what a checkpoint records it trained on
+        data = data_identity(cfg.data, cfg.train.seed) if leader else None  # what a checkpoint records it trained on
         if leader and not restarted:
             removed = preflight.guard_new_run(cfg, run_dir, resuming, overwrite)
             resume = preflight.check_resume(cfg, run_dir, shape.model, data) if resuming else resume

@@ -27,7 +27,7 @@ from meshfit.parallel.dims import Meshes
 from meshfit.parallel.host_reduce import HostReduceScatter, host_reduce_scatter
 from meshfit.parallel.parallelize import parallelize
 from meshfit.train.dist import RankEnv
-from meshfit.train.held_out import data_sources, held_out_reader
+from meshfit.train.held_out import data_name, data_sources, held_out_reader, window_order
 from meshfit.train.metrics import peak_flops
 from meshfit.train.optim import build_optimizer, build_scheduler
 from meshfit.train.pipelined import Pipe, build_pipeline
@@ -90,10 +90,9 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                             compile_blocks=cfg.train.compile, seq_len=cfg.train.seq_len)
     optimizer = build_optimizer(model, cfg.train)
     source, held = data_sources(cfg, model_cfg.vocab_size, str(run_dir) if run_dir else None)
-    # Named by data.path: tokenized text is an in-memory array, which would otherwise be "token array".
     batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
-                           dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp,
-                           name=cfg.data.path if cfg.data.source != "synthetic" else None)
+                           dp_rank=meshes.dp.get_local_rank(), dp_size=shape.dims.dp, name=data_name(cfg),
+                           shuffle=window_order(cfg, cfg.data.path), seed=cfg.train.seed)
     tracker = rank_tracker(model, optimizer, env.device, env.rank, cfg.train.memory_tracking, cfg.train.memory_budget,
                            cfg.parallel.offload, pipeline=pipe is not None)
     meter = _meter(cfg, env, tracker)

@@ -25,6 +25,7 @@ from meshfit.parallel.context_parallel import cp_degree_error
 from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline_parallel import StagePlan, plan_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
+from meshfit.train.data_mix import check_mixture
 from meshfit.train.held_out import check_held_out
 
 
@@ -107,7 +108,12 @@ def _batch_shape(cfg: Config, dims: ParallelDims, micro_batch: int | None) -> tu
 
 def _check_data(cfg: Config, vocab_size: int) -> None:
     data = cfg.data
-    if data.source in ("text", "tokens"):
+    if data.source == "synthetic" and data.shuffle:
+        raise ConfigError("data.shuffle does not apply to data.source=synthetic: its sequences are drawn from the "
+                          "seeded chain one by one, in no file order; leave data.shuffle unset")
+    if data.sources is not None:
+        check_mixture(cfg)
+    elif data.source in ("text", "tokens"):
         what = ("a UTF-8 .txt file or a folder of them" if data.source == "text"
                 else "a .npy or .bin token file, or a folder `meshfit prepare` wrote")
         if not data.path:
@@ -121,7 +127,7 @@ def _check_data(cfg: Config, vocab_size: int) -> None:
         )
     if data.tokenizer not in ("byte", "bpe") and data.source != "synthetic":
         _check_tokenizer(data, vocab_size)
-    if data.source != "synthetic":
+    if data.source != "synthetic" and data.sources is None:
         # The files' shape (dtype, size, length) is checked here, once, rather than on every rank.
         try:
             check_files(data.source, data.path, cfg.train.seq_len, data.tokenizer, data.token_dtype, vocab_size)
