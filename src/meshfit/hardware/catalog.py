@@ -2,8 +2,8 @@
 
 Every figure is a vendor datasheet peak (or, for the network, the per-GPU NIC of the vendor's reference
 system), never a measurement: real kernels reach a fraction of it, and usable memory is lower than the
-capacity (driver reservation, ECC, the CUDA context, allocator fragmentation). Planners apply their own
-efficiency and headroom factors on top of these numbers.
+capacity (driver reservation, ECC, the CUDA context, allocator fragmentation). Planners apply published
+per-kernel rates (hardware/kernels.py), efficiency and headroom factors on top of these numbers.
 
 Conventions:
 
@@ -53,8 +53,8 @@ class GPU:
     hbm_bytes_per_s: float
     intra_node_bytes_per_s: float  # to the other GPUs of the node, per GPU, one direction
     inter_node_bytes_per_s: float  # to other nodes, per GPU, one direction
-    # Measured rates (`meshfit calibrate`): the time model then uses them instead of the peaks above
-    # and its efficiency constants.
+    # Measured rates (`meshfit calibrate`): the time model then uses them instead of the peaks above,
+    # the published kernel rates and its efficiency constants.
     profile: HardwareProfile | None = dataclasses.field(default=None, compare=False, repr=False)
     # Share of the memory the CUDA context, NCCL buffers and the caching allocator's fragmentation keep
     # from tensors (a few GiB on an 80 GiB part). CPU ranks have none: their budget is compared with
