@@ -104,8 +104,13 @@ def test_cp_collectives_and_compute_per_rank():
     plain = step_time(LLAMA8B, Layout(dp_shard=8, zero_stage=3), work, NODE)
     cp = step_time(LLAMA8B, Layout(dp_shard=4, cp=2, zero_stage=3), work, NODE)
     assert plain.cp_comm_s == 0.0 and cp.cp_comm_s > 0
-    # Same ranks, same tokens per step: each cp rank computes half of twice the sequences.
-    assert cp.compute_s == pytest.approx(plain.compute_s, rel=1e-9)
+    # Same ranks, same tokens per step: each cp rank computes half of twice the sequences. At one rate for
+    # every matmul (a what-if) that is the same compute; kernel by kernel the cp ranks' GEMMs take 16,384-token
+    # micro-batches where the plain ranks' take 32,768, whose last waves fill differently (0.08% here).
+    flat = [step_time(LLAMA8B, Layout(dp_shard=8 // c, cp=c, zero_stage=3), work, NODE, efficiency=0.5).compute_s
+            for c in (1, 2)]
+    assert flat[1] == pytest.approx(flat[0], rel=1e-9)
+    assert cp.compute_s == pytest.approx(plain.compute_s, rel=2e-3)
     # Full recompute gathers keys and values once more per block: forward gather, re-run gather, and the
     # backward reduce-scatter move the same bytes over the same ring.
     full = step_time(LLAMA8B, Layout(dp_shard=4, cp=2, zero_stage=3, activation_checkpointing="full"), work, NODE)

@@ -11,15 +11,16 @@ from meshfit.models.config import flops_per_token
 from meshfit.models.presets import PRESETS, get_preset
 from meshfit.models.traffic import elementwise_traffic
 from meshfit.parallel.pipeline_parallel import StagePlan, plan_stages
+from meshfit.hardware.kernels import kernel_rates
 from meshfit.planner.timing.estimate import (
     EAGER_ATTENTION_SLOWDOWN,
-    EFFICIENCY,
     HBM_EFFICIENCY,
     ZERO_BUBBLE_FACTOR,
     StepTime,
     bottleneck_rank,
     step_time,
 )
+from meshfit.planner.timing.kernels import kernel_times
 
 LLAMA8B = get_preset("llama3-8b")
 NODE = Cluster("H100-SXM", nodes=1, gpus_per_node=8)
@@ -34,6 +35,14 @@ def _time(layout: Layout, workload: Workload = LONG, cluster: Cluster = NODE, mo
 
 def _cluster(world: int, per_node: int = 8) -> Cluster:
     return Cluster("H100-SXM", nodes=max(1, world // per_node), gpus_per_node=min(world, per_node))
+
+
+def _kernels(model, work: Workload, micro_batch: int = 1, tp: int = 1):
+    """The datasheet per-kernel times (planner/timing/kernels.py) of ``model`` on the H100 node."""
+    from meshfit.models.config import pad_vocab_for_tp
+
+    return kernel_times(pad_vocab_for_tp(model, tp), NODE.gpu, work.precision, work.attention,
+                        micro_batch * work.seq_len, work.seq_len, tp, 1, NODE.gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
 
 
 # --- Agreement with the pipeline's own split -----------------------------------------------------------
@@ -107,10 +116,15 @@ def test_a_loss_heavier_than_the_blocks_makes_the_head_rank_the_bottleneck():
     work = Workload(seq_len=2048, global_batch=16)
     t = _time(Layout(pp=4, schedule="1f1b", micro_batch=1), work, _cluster(4), model)
     tokens = work.tokens
-    matmuls = tokens * 3 * (layer + head) / (EFFICIENCY * NODE.gpu.bf16_flops)
-    # (rel: the model's FLOPs per token also count the norms' weights, which the per-block count leaves out)
-    assert t.compute_s == pytest.approx(matmuls + _elementwise_s(model, tokens, 1) - _embed_s(model, tokens),
-                                        rel=1e-4)
+    kernels = _kernels(model, work)
+    matmuls = tokens * (kernels.block + kernels.head)  # one block and the head, each kernel at its own rate
+    assert t.compute_s == pytest.approx(matmuls + _elementwise_s(model, tokens, 1) - _embed_s(model, tokens))
+    # At one efficiency for every matmul (a what-if) the stage is its FLOPs at that rate (rel: the model's
+    # FLOPs per token also count the norms' weights, which the per-block count leaves out).
+    flat = _time(Layout(pp=4, schedule="1f1b", micro_batch=1), work, _cluster(4), model, efficiency=0.5)
+    matmuls = tokens * 3 * (layer + head) / (0.5 * NODE.gpu.bf16_flops)
+    assert flat.compute_s == pytest.approx(matmuls + _elementwise_s(model, tokens, 1) - _embed_s(model, tokens),
+                                           rel=1e-4)
 
 
 def _embed_s(model, tokens: int) -> float:
@@ -128,17 +142,22 @@ def _elementwise_s(model, tokens: int, layers: int, forwards: float = 0.0, c: in
     return tokens * moved / (NODE.gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
 
 
-def test_single_rank_compute_is_the_model_flops_at_the_assumed_efficiency_plus_elementwise_traffic():
+def test_single_rank_compute_is_the_kernels_time_plus_elementwise_traffic():
     model, work = get_preset("llama3-1b"), Workload(seq_len=2048, global_batch=64)
     t = _time(Layout(micro_batch=2), work, _cluster(1), model)
-    peak = NODE.gpu.bf16_flops
-    matmuls = work.tokens * flops_per_token(model, 2048) / (EFFICIENCY * peak)
+    kernels = _kernels(model, work, micro_batch=2)
+    matmuls = work.tokens * (model.n_layers * kernels.block + kernels.head)
     assert t.compute_s == pytest.approx(matmuls + _elementwise_s(model, work.tokens, model.n_layers))
     assert t.tp_comm_s == t.dp_comm_s == t.pp_comm_s == t.bubble_s == t.offload_s == 0.0
-    # MFU is the efficiency of the matmuls diluted by the element-wise time and the optimizer step.
-    assert t.mfu == pytest.approx(EFFICIENCY * matmuls / t.total_s)
-    # A 128K vocabulary on a 1B model: the fp32 loss is a large part of the element-wise traffic.
-    assert 0.15 < t.mfu < EFFICIENCY * 0.8
+    # MFU: the matmuls reach at most the H100's maximum achievable matmul fraction (80.3%), and the fused
+    # attention (counted over every key, run over the causal half) less here; the element-wise time (a 128K
+    # vocabulary's fp32 loss on a 1B model is a large part of it) and the optimizer step dilute it.
+    assert 0.3 < t.mfu < kernel_rates("H100-SXM").matmul_fraction * matmuls / t.total_s
+    # A what-if at one efficiency runs the model's FLOPs at that fraction of the peak.
+    flat = _time(Layout(micro_batch=2), work, _cluster(1), model, efficiency=0.5)
+    matmuls = work.tokens * flops_per_token(model, 2048) / (0.5 * NODE.gpu.bf16_flops)
+    assert flat.compute_s == pytest.approx(matmuls + _elementwise_s(model, work.tokens, model.n_layers))
+    assert flat.mfu == pytest.approx(0.5 * matmuls / flat.total_s)
 
 
 def test_recompute_re_runs_the_checkpointed_blocks_forward():
@@ -148,11 +167,12 @@ def test_recompute_re_runs_the_checkpointed_blocks_forward():
     selective = _time(replace(base, activation_checkpointing="selective"))
     op = _time(replace(base, activation_checkpointing="op"))
     assert none.recompute_s == 0.0
-    # Full: one more forward of every block = 1/3 of the blocks' forward+backward FLOPs, and the blocks'
-    # forward element-wise traffic again.
+    # Full: one more forward of every block (its matmuls and attention core), and the blocks' forward
+    # element-wise traffic again.
     tokens = LONG.tokens // 8
     layers = LLAMA8B.n_layers
-    matmuls = tokens * layers * layer_flops(LLAMA8B, 8192) / (EFFICIENCY * NODE.gpu.bf16_flops)
+    kernels = _kernels(LLAMA8B, LONG)
+    matmuls = tokens * layers * (kernels.block_fwd + kernels.core_fwd)
     forwards = _elementwise_s(LLAMA8B, tokens, 0, layers) - _elementwise_s(LLAMA8B, tokens, 0)
     assert full.recompute_s == pytest.approx(matmuls + forwards)
     assert full.compute_s == pytest.approx(none.compute_s + full.recompute_s)
@@ -180,9 +200,17 @@ def test_split_backward_schedules_re_run_recomputed_blocks_per_weight_group():
 
 def test_eager_attention_is_slower_than_flash_on_the_attention_core_only():
     flash = _time(Layout(dp_shard=8, zero_stage=3))
-    eager = _time(Layout(dp_shard=8, zero_stage=3), replace(LONG, attention="eager"))
-    core = LONG.tokens // 8 * 12 * LLAMA8B.n_layers * LLAMA8B.dim * 8192 / (EFFICIENCY * NODE.gpu.bf16_flops)
-    assert eager.compute_s - flash.compute_s == pytest.approx(core * (EAGER_ATTENTION_SLOWDOWN - 1))
+    eager_work = replace(LONG, attention="eager")
+    eager = _time(Layout(dp_shard=8, zero_stage=3), eager_work)
+    fused, scores = _kernels(LLAMA8B, LONG), _kernels(LLAMA8B, eager_work)
+    cores = LONG.tokens // 8 * LLAMA8B.n_layers  # attention cores per step, forward + backward
+    assert eager.compute_s - flash.compute_s == pytest.approx(
+        cores * (scores.core_fwd + scores.core_bwd - fused.core_fwd - fused.core_bwd))
+    assert eager.compute_s > 1.2 * flash.compute_s
+    # At one efficiency (a what-if) the eager core is EAGER_ATTENTION_SLOWDOWN times the fused one's FLOPs.
+    core = LONG.tokens // 8 * 12 * LLAMA8B.n_layers * LLAMA8B.dim * 8192 / (0.5 * NODE.gpu.bf16_flops)
+    flat = [_time(Layout(dp_shard=8, zero_stage=3), w, efficiency=0.5).compute_s for w in (LONG, eager_work)]
+    assert flat[1] - flat[0] == pytest.approx(core * (EAGER_ATTENTION_SLOWDOWN - 1))
 
 
 def test_tensor_sequence_and_loss_parallelism_split_the_elementwise_traffic():
@@ -290,11 +318,11 @@ def test_overlap_hides_dp_comm_and_dp_across_nodes_costs_more():
     assert hsdp.dp_comm_s < fsdp.dp_comm_s
 
 
-def test_pure_dp_mfu_is_at_most_the_efficiency():
+def test_pure_dp_mfu_is_at_most_the_kernels_fraction_of_the_peak():
     for layout in (Layout(dp_replicate=8), Layout(dp_shard=8, zero_stage=1), Layout(dp_shard=8, zero_stage=2),
                    Layout(dp_shard=8, zero_stage=3), Layout(dp_shard=8, zero_stage=3, offload=True)):
         t = _time(layout, model=get_preset("llama3-1b"))
-        assert 0 < t.mfu <= EFFICIENCY, layout
+        assert 0 < t.mfu <= kernel_rates("H100-SXM").matmul_fraction, layout
         assert _time(layout, model=get_preset("llama3-1b"), efficiency=0.3).mfu <= 0.3
 
 

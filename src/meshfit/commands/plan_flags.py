@@ -31,8 +31,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
                    help=f"GPU model: {', '.join(GPUS)} (default {DEFAULT_GPU}), or cpu: CPU ranks as "
                         "`meshfit train` runs them, each under the budget --gpu-memory")
     g.add_argument("--hardware", type=Path, metavar="FILE",
-                   help="measured rates from `meshfit calibrate --out FILE`, in place of the datasheet figures and "
-                        "efficiency constants")
+                   help="measured rates from `meshfit calibrate --out FILE`, in place of the datasheet figures, "
+                        "published kernel rates and efficiency constants")
     # None when not given: verify then measures the --layout's world size instead of checking it.
     g.add_argument("--nodes", type=positive_int, default=None, help="nodes (default 1)")
     g.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default 8)")

@@ -2,8 +2,8 @@
 
 Every figure is a vendor datasheet peak (or, for the network, the per-GPU NIC of the vendor's reference
 system), never a measurement: real kernels reach a fraction of it, and usable memory is lower than the
-capacity (driver reservation, ECC, the CUDA context, allocator fragmentation). Planners apply their own
-efficiency and headroom factors on top of these numbers.
+capacity (driver reservation, ECC, the CUDA context, allocator fragmentation). Planners apply published
+per-kernel rates (hardware/kernels.py), efficiency and headroom factors on top of these numbers.
 
 Conventions:
 
@@ -53,46 +53,50 @@ class GPU:
     hbm_bytes_per_s: float
     intra_node_bytes_per_s: float  # to the other GPUs of the node, per GPU, one direction
     inter_node_bytes_per_s: float  # to other nodes, per GPU, one direction
-    # Measured rates (`meshfit calibrate`): the time model then uses them instead of the peaks above
-    # and its efficiency constants.
+    # Measured rates (`meshfit calibrate`): the time model then uses them instead of the peaks above,
+    # the published kernel rates and its efficiency constants.
     profile: HardwareProfile | None = dataclasses.field(default=None, compare=False, repr=False)
     # Share of the memory the CUDA context, NCCL buffers and the caching allocator's fragmentation keep
     # from tensors (a few GiB on an 80 GiB part). CPU ranks have none: their budget is compared with
     # tracked tensor bytes (train.memory_budget).
     allocator_headroom: float = 0.08
+    # Streaming multiprocessors (AMD: compute units): how many matmul tiles run at once (one wave), for the
+    # datasheet time model's wave quantization (planner/timing/kernels.py); 0 where unknown (no quantization).
+    sms: int = 0
 
 
 _CATALOG: tuple[GPU, ...] = (
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4): BF16 312 TFLOPS dense (624 sparse), FP32 19.5 TFLOPS,
-    # HBM2 1,555 GB/s (40GB) / HBM2e 2,039 GB/s (80GB), NVLink 3 600 GB/s bidirectional.
-    GPU("A100-40GB", 40 * _GiB, 312 * _T, 19.5 * _T, 1.555 * _T, 300 * _G, _NIC_200G),
-    GPU("A100-80GB", 80 * _GiB, 312 * _T, 19.5 * _T, 2.039 * _T, 300 * _G, _NIC_200G),
+    # HBM2 1,555 GB/s (40GB) / HBM2e 2,039 GB/s (80GB), NVLink 3 600 GB/s bidirectional. 108 SMs (Ampere
+    # architecture whitepaper).
+    GPU("A100-40GB", 40 * _GiB, 312 * _T, 19.5 * _T, 1.555 * _T, 300 * _G, _NIC_200G, sms=108),
+    GPU("A100-80GB", 80 * _GiB, 312 * _T, 19.5 * _T, 2.039 * _T, 300 * _G, _NIC_200G, sms=108),
     # NVIDIA H100 Tensor Core GPU datasheet, SXM5: BF16 1,979 TFLOPS with sparsity -> 989.4 dense,
-    # FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 4 900 GB/s bidirectional.
-    GPU("H100-SXM", 80 * _GiB, 989.4 * _T, 67 * _T, 3.35 * _T, 450 * _G, _NIC_400G),
+    # FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 4 900 GB/s bidirectional. 132 SMs (Hopper whitepaper).
+    GPU("H100-SXM", 80 * _GiB, 989.4 * _T, 67 * _T, 3.35 * _T, 450 * _G, _NIC_400G, sms=132),
     # Same datasheet, PCIe card: BF16 1,513 TFLOPS sparse -> 756.5 dense, FP32 51 TFLOPS, HBM2e 2 TB/s.
-    # Pairs can be bridged with NVLink, but the node-wide path is PCIe Gen5 x16; NIC assumed 200 Gb/s.
-    GPU("H100-PCIe", 80 * _GiB, 756.5 * _T, 51 * _T, 2.0 * _T, _PCIE5_X16, _NIC_200G),
+    # Pairs can be bridged with NVLink, but the node-wide path is PCIe Gen5 x16; NIC assumed 200 Gb/s. 114 SMs.
+    GPU("H100-PCIe", 80 * _GiB, 756.5 * _T, 51 * _T, 2.0 * _T, _PCIE5_X16, _NIC_200G, sms=114),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): Hopper compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
-    # NVLink 900 GB/s bidirectional.
-    GPU("H200", 141 * _GiB, 989.4 * _T, 67 * _T, 4.8 * _T, 450 * _G, _NIC_400G),
+    # NVLink 900 GB/s bidirectional. The H100 SXM's 132 SMs.
+    GPU("H200", 141 * _GiB, 989.4 * _T, 67 * _T, 4.8 * _T, 450 * _G, _NIC_400G, sms=132),
     # NVIDIA HGX B200 datasheet (per GPU of the 8-GPU board, 1000 W): BF16 4.5 PFLOPS sparse -> 2.25 dense,
     # FP32 600 TFLOPS per board -> 75, 1,440 GB HBM3e per board -> 180 GB (of the package's 192 GB),
-    # 8 TB/s, NVLink 5 1.8 TB/s bidirectional.
-    GPU("B200", 180 * _GiB, 2250 * _T, 75 * _T, 8.0 * _T, 900 * _G, _NIC_400G),
+    # 8 TB/s, NVLink 5 1.8 TB/s bidirectional. 148 SMs (as the driver reports them: pytorch/ao PR #4002).
+    GPU("B200", 180 * _GiB, 2250 * _T, 75 * _T, 8.0 * _T, 900 * _G, _NIC_400G, sms=148),
     # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense (2,614.9 sparse), FP32 vector 163.4 TFLOPS,
     # 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links with 896 GB/s aggregate bidirectional peak. The
     # 8-GPU platform is a full mesh, not a switch: one peer pair only gets one link (64 GB/s each way);
-    # the 448 GB/s here is reached by collectives that use all seven peers at once.
-    GPU("MI300X", 192 * _GiB, 1307.4 * _T, 163.4 * _T, 5.3 * _T, 448 * _G, _NIC_400G),
+    # the 448 GB/s here is reached by collectives that use all seven peers at once. 304 compute units.
+    GPU("MI300X", 192 * _GiB, 1307.4 * _T, 163.4 * _T, 5.3 * _T, 448 * _G, _NIC_400G, sms=304),
     # NVIDIA L40S datasheet: BF16 362.05 TFLOPS dense (733 sparse), FP32 91.6 TFLOPS, 48 GB GDDR6 at
-    # 864 GB/s, PCIe Gen4 x16, no NVLink. NIC assumed 200 Gb/s.
-    GPU("L40S", 48 * _GiB, 362.05 * _T, 91.6 * _T, 0.864 * _T, _PCIE4_X16, _NIC_200G),
+    # 864 GB/s, PCIe Gen4 x16, no NVLink. NIC assumed 200 Gb/s. 142 SMs (18,176 CUDA cores, 128 per SM).
+    GPU("L40S", 48 * _GiB, 362.05 * _T, 91.6 * _T, 0.864 * _T, _PCIE4_X16, _NIC_200G, sms=142),
     # NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090: BF16 with FP32 accumulate 165.2 TFLOPS
     # dense (330.4 sparse), FP32 82.6 TFLOPS, 24 GB GDDR6X at 1,008 GB/s, PCIe Gen4 x16. GeForce drivers
     # disable peer-to-peer, so GPU-to-GPU traffic is staged through host memory and gets less than this
-    # link rate. NIC assumed 100 Gb/s (workstation-class networking).
-    GPU("RTX-4090", 24 * _GiB, 165.2 * _T, 82.6 * _T, 1.008 * _T, _PCIE4_X16, 100e9 / 8),
+    # link rate. NIC assumed 100 Gb/s (workstation-class networking). 128 SMs.
+    GPU("RTX-4090", 24 * _GiB, 165.2 * _T, 82.6 * _T, 1.008 * _T, _PCIE4_X16, 100e9 / 8, sms=128),
 )
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in _CATALOG}

@@ -4,8 +4,13 @@ A roofline-style estimate for ranking thousands of layouts, not a simulator: eve
 arithmetic on per-model quantities cached once, so a call costs microseconds. The model follows the
 literature it cites and the way meshfit's torch building blocks communicate:
 
-* Compute: training FLOPs per token from ``flops_per_token`` (6 · matmul params + attention, Kaplan/PaLM)
-  at ``efficiency`` × the datasheet peak (bf16 tensor cores for mixed/bf16, plain fp32 for fp32).
+* Matmuls and attention on datasheet figures: kernel by kernel (planner/timing/kernels.py), each GEMM of a
+  block and of the head at the part's published maximum achievable matmul rate with tile and wave
+  quantization and a memory roofline for skinny shapes, the attention core at FlashAttention-2's published
+  rate (flash) or as the memory traffic of its materialised scores (eager). On a calibrated device: the
+  training FLOPs per token (``flops_per_token``: 6 · matmul params + attention, Kaplan/PaLM) at the measured
+  rates; with an explicit ``efficiency`` (a what-if): at that fraction of the datasheet peak (bf16 tensor
+  cores for mixed/bf16, plain fp32 for fp32), eager attention EAGER_ATTENTION_SLOWDOWN times slower.
   Activation recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models"): a checkpointed block re-runs its forward (+1/3 of its fwd+bwd FLOPs); "full"
   checkpoints every block, meshfit's "selective" every second one of each pipeline stage.
@@ -29,9 +34,9 @@ literature it cites and the way meshfit's torch building blocks communicate:
   ``op_s``. A measured tensor-parallel rate holds its own fixed cost per block instead. Datasheet devices
   and older profiles charge nothing for it.
 
-Not modelled: stragglers, and the kernels' distance from their peaks at the model's shapes;
-``efficiency`` absorbs them. A rate calibrated on the model itself (``calibrate --model``) holds
-all of a step's per-token compute: element-wise work is not added to it.
+Not modelled: stragglers, clocks held below the boost clock over a long run, and communication kernels
+slowing the kernels they share the GPU with (beyond DP_OVERLAP). A rate calibrated on the model itself
+(``calibrate --model``) holds all of a step's per-token compute: element-wise work is not added to it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.planner.memory.activations import gathered_kv_bytes
 from meshfit.planner.timing.comms import collective_s, cp_comm, dp_comm, exposed, ring, tp_comm
+from meshfit.planner.timing.kernels import kernel_times
 from meshfit.planner.timing.op_count import rank_ops
 
 if TYPE_CHECKING:
@@ -56,12 +62,10 @@ if TYPE_CHECKING:
     from meshfit.hardware.profile import HardwareProfile
     from meshfit.models.config import ModelConfig
 
-# Achievable fraction of the peak FLOP/s for a whole training step's matmuls and attention. Public large
-# runs report 35–55% MFU in bf16 on A100/H100 (e.g. Megatron-LM, Narayanan et al. 2021: 52% on A100).
-EFFICIENCY = 0.5
-# Eager attention (materialised scores, memory-bound softmax) versus a fused kernel: FlashAttention
-# (Dao et al. 2022) reports 2–4× faster attention than the PyTorch baseline; we take the low end and apply
-# it to the attention-core FLOPs only.
+# Eager attention (materialised scores, memory-bound softmax) versus a fused kernel, where attention runs at
+# one rate (a calibrated device's fused-kernel rate, or an explicit efficiency): FlashAttention (Dao et al.
+# 2022) reports 2–4× faster attention than the PyTorch baseline; we take the low end and apply it to the
+# attention-core FLOPs only. The datasheet model counts the scores' traffic instead (kernels.py).
 EAGER_ATTENTION_SLOWDOWN = 2.0
 # Fraction of the compute during which data-parallel communication and offload copies run hidden
 # (FSDP prefetching, DDP bucket hooks): the first gather and the last reduction of a pass stay exposed,
@@ -254,17 +258,20 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
               efficiency: float | None = None, dp_overlap: float | None = None) -> StepTime:
     """Predicted time of one optimizer step of ``workload`` under ``layout`` on ``cluster``.
 
-    ``efficiency``: achievable fraction of the peak FLOP/s (default EFFICIENCY; 1 with a calibrated device,
-    whose rates are measured). ``dp_overlap``: fraction of the compute that hides data-parallel
-    communication and offload copies (0 exposes all of it; default DP_OVERLAP). A calibrated device's
+    ``efficiency``: a what-if that runs every matmul and the attention at this fraction of the peak (of the
+    measured rates on a calibrated device); by default datasheet devices run each kernel at its published
+    rate (planner/timing/kernels.py) and calibrated ones at their measured rates. ``dp_overlap``: fraction
+    of the compute that hides data-parallel communication and offload copies (0 exposes all of it; default
+    DP_OVERLAP). A calibrated device's
     measured overlap is instead the share of the communication hidden (see `comm_time.exposed`).
     The layout and workload are assumed to pass their own ``check()``; raises ValueError when the layout's
     world size differs from the cluster's, when the batch does not split into the layout's micro-batches,
     or when the pipeline has more stages than the model has layers.
     """
     prof = cluster.gpu.profile
+    per_kernel = prof is None and efficiency is None  # datasheet figures, no what-if: kernels.py's rates
     if efficiency is None:
-        efficiency = 1.0 if prof is not None else EFFICIENCY
+        efficiency = 1.0
     of_comm = dp_overlap is None and prof is not None
     if dp_overlap is None:
         dp_overlap = prof.overlap if prof is not None else DP_OVERLAP
@@ -291,9 +298,14 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     if workload.compiled:  # the blocks' element-wise chains fuse; embeddings, head and loss stay eager
         ew = (ew[0] * COMPILED_ELEMENTWISE, ew[1] * COMPILED_ELEMENTWISE, ew[2], ew[3])
     bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
+    mb_tokens = layout.micro_batch * s // layout.cp
+    kernels = (kernel_times(model, gpu, precision, workload.attention, mb_tokens, s, tp, layout.cp, bandwidth)
+               if per_kernel else None)
     # Stages split by FLOPs, as the pipeline splits them; the most loaded rank by time per token, element-wise
     # work included (a large vocabulary's loss can outweigh several blocks).
-    loads = (3 * layer / tp / rate + ew[0] / bandwidth, 3 * head / tp / rate + ew[3] / bandwidth, ew[2] / bandwidth)
+    block_t, head_t = (3 * layer / tp / rate, 3 * head / tp / rate) if kernels is None else (kernels.block,
+                                                                                             kernels.head)
+    loads = (block_t + ew[0] / bandwidth, head_t + ew[3] / bandwidth, ew[2] / bandwidth)
     stage_blocks, has_embedding, has_head = bottleneck_stages(model.n_layers, pp, virtual, v_shaped(layout.schedule),
                                                               layer, head, loads)
     blocks = sum(stage_blocks)
@@ -310,7 +322,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     redo = rerun * blocks * layer / tp + (core_r if ac == "attention" else 0.0)
     redo_core = (1.0 if ac == "attention" else rerun) * core_r
     slow = EAGER_ATTENTION_SLOWDOWN - 1.0 if workload.attention == "eager" else 0.0
-    # A calibrated device has its own (fused) attention rate; the datasheet model runs attention at the
+    # A calibrated device has its own (fused) attention rate; a what-if efficiency runs attention at the
     # matmul rate; a measured tensor-parallel rate holds both.
     attn_rate = prof.flops(precision, attention=True) * efficiency if prof is not None else rate
     tp_fixed_s = tp_redo_s = 0.0
@@ -328,11 +340,14 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     ops_s, ops_redo_s = _operators_s(model, layout, workload, prof, stage_blocks, has_head, m, tp_rate is not None)
     if tp_rate is not None and has_head and layout.loss_parallel != layout.sp:
         tp_fixed_s += _loss_parallel_delta_s(model, layout, cluster, layout.micro_batch * s, cbytes, bandwidth) * m
-    compute_s = (seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core) + tp_fixed_s + tp_redo_s + ew_s
-                 + ops_s)
-    recompute_s = seconds(redo, redo_core) + tp_redo_s + ew_redo_s + ops_redo_s
+    if kernels is None:
+        matmul_s, matmul_redo_s = seconds(fpt * share / tp + redo, 3.0 * core_r + redo_core), seconds(redo, redo_core)
+    else:
+        cores = (1.0 if ac == "attention" else rerun) * blocks  # attention cores re-run, as redo_core counts
+        matmul_s, matmul_redo_s = kernels.step_s(tokens, blocks, has_head, rerun * blocks, cores)
+    compute_s = matmul_s + tp_fixed_s + tp_redo_s + ew_s + ops_s
+    recompute_s = matmul_redo_s + tp_redo_s + ew_redo_s + ops_redo_s
 
-    mb_tokens = layout.micro_batch * s // layout.cp
     tp_comm_s = 0.0
     if tp > 1 and tp_rate is None:
         tp_comm_s = m * tp_comm(model, layout, cluster, mb_tokens, cbytes, rank)
