@@ -81,7 +81,7 @@ def test_gpt3_presets_have_published_sizes() -> None:
     assert 124.5e6 <= num_params(get_preset("gpt3-125m")) <= 125.5e6
     for name in PRESETS:
         if name.startswith("gpt3-"):
-            assert get_preset(name).head_dim in (64, 80, 96, 128)
+            assert get_preset(name).head_size in (64, 80, 96, 128)
 
 
 def test_meta_construction_of_70b_is_fast_and_allocates_nothing() -> None:
@@ -137,7 +137,7 @@ def test_gqa_equals_mha_with_duplicated_kv_heads() -> None:
     gqa_cfg = get_preset("tiny")  # 4 query heads share 2 kv heads
     mha_cfg = ModelConfig(**{**gqa_cfg.__dict__, "n_kv_heads": gqa_cfg.n_heads})
     gqa, mha = built("tiny", cfg=gqa_cfg), built("tiny", seed=1, cfg=mha_cfg)
-    n_rep, hd = gqa_cfg.n_heads // gqa_cfg.n_kv_heads, gqa_cfg.head_dim
+    n_rep, hd = gqa_cfg.n_heads // gqa_cfg.n_kv_heads, gqa_cfg.head_size
     state = gqa.state_dict()
     for key, value in state.items():
         if key.endswith(("attention.wk.weight", "attention.wv.weight")):
@@ -169,7 +169,7 @@ def test_attention_runs_on_tensor_parallel_shards(name: str) -> None:
     full = built(name).layers["0"].attention
     rope = (built(name).rope.cos, built(name).rope.sin) if cfg.family == "llama" else ()
     x = torch.randn(2, 10, cfg.dim)
-    q_rows, kv_rows = cfg.n_heads * cfg.head_dim // 2, cfg.n_kv_heads * cfg.head_dim // 2
+    q_rows, kv_rows = cfg.n_heads * cfg.head_size // 2, cfg.n_kv_heads * cfg.head_size // 2
     total = 0
     for rank in range(2):
         shard = type(full)(cfg)
