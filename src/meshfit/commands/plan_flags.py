@@ -74,6 +74,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
 
 
 def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
+    from meshfit.config.model_source import with_overrides
     from meshfit.models.config import ModelConfig
     from meshfit.models.hf import model_from_hf_config
     from meshfit.models.presets import PRESETS
@@ -94,7 +95,7 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
     if changes:
-        name, model = f"{name}+custom", dataclasses.replace(model, **changes)
+        name, model = f"{name}+custom", with_overrides(model, changes)
     try:
         model.validate()
     except ValueError as exc:

@@ -26,7 +26,7 @@ def resolve_model(section: Any) -> Any:  # ModelSection -> ModelConfig
     except ValueError as exc:
         raise ConfigError(f"model.init_from: {exc}" if not str(exc).startswith("model.") else str(exc)) from None
     if base is None:
-        cfg = _with_overrides(_preset(section.preset or DEFAULT_PRESET), overrides)
+        cfg = with_overrides(_preset(section.preset or DEFAULT_PRESET), overrides)
     else:
         _check_agrees(section.preset, overrides, base, str(config_file))
         cfg = dataclasses.replace(base, **overrides)
@@ -46,7 +46,9 @@ def _preset(name: str) -> Any:
         raise ConfigError(f"model.preset: {exc}") from None
 
 
-def _with_overrides(base: Any, overrides: dict[str, Any]) -> Any:
+def with_overrides(base: Any, overrides: dict[str, Any]) -> Any:
+    """`base` (a ModelConfig) with `overrides` (field -> value) applied, as the model section and --dims
+    apply them: a new RoPE scaling starts without the old one's parameters."""
     from meshfit.models.config import ROPE_PARAMETERS
 
     if overrides.get("rope_scaling", base.rope_scaling) != base.rope_scaling:

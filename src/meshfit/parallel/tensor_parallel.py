@@ -38,8 +38,8 @@ def _block_plan(family: str, sp: bool, qk_norm: bool = False) -> dict[str, Paral
     if qk_norm:
         # Each rank normalises its own query and key heads ([b, s, heads, head_dim], heads split: Shard(2))
         # with the whole per-head weight (replicated), whose gradient is summed over the heads of every rank.
-        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2)
-        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2)
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sp:
         # The attention also takes the RoPE tables (plain tensors, left as they are).
         extra = (None, None) if family == "llama" else ()
