@@ -390,6 +390,20 @@ def _with(**changes) -> ModelConfig:
         (_with(dropout=0.1), r"model\.dropout=0\.1 must be 0\.0 for family 'llama'"),
         (_with(family="gpt", n_kv_heads=2), r"model\.n_kv_heads=2 must equal model\.n_heads=4.*valid n_kv_heads: 4"),
         (_with(family="gpt", dropout=1.5), r"model\.dropout=1\.5 must be in \[0, 1\)"),
+        (_with(head_dim=0), r"model\.head_dim=0 must be a positive integer or null"),
+        (_with(head_dim=15), r"model\.head_dim=15 must be even \(RoPE rotates pairs of channels\)"),
+        (_with(sliding_window=-4), r"model\.sliding_window=-4 must be a positive integer or null"),
+        (_with(qk_norm="yes"), r"model\.qk_norm='yes' must be true or false"),
+        (_with(rope_scaling="yarn"), r"model\.rope_scaling='yarn'; valid: none, linear, llama3"),
+        (_with(rope_scaling="linear"), r"model\.rope_scaling='linear' needs model\.rope_factor"),
+        (_with(rope_scaling="linear", rope_factor=2.0, rope_original_max_seq_len=64),
+         r"model\.rope_original_max_seq_len=64 applies to model\.rope_scaling llama3, not 'linear'; set it to null"),
+        (_with(rope_factor=2.0), r"model\.rope_factor=2\.0 applies to model\.rope_scaling linear or llama3, not 'none'"),
+        (_with(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0,
+               rope_original_max_seq_len=64), r"model\.rope_low_freq_factor=4\.0 and model\.rope_high_freq_factor=1\.0 "
+                                              r"must satisfy 0 < low < high"),
+        (_with(family="gpt", n_kv_heads=4, qkv_bias=True),
+         r"model\.qkv_bias=True applies to family 'llama' only; for family 'gpt' leave it false"),
     ],
 )
 def test_validate_names_field_and_valid_values(cfg: ModelConfig, pattern: str) -> None:
@@ -397,6 +411,17 @@ def test_validate_names_field_and_valid_values(cfg: ModelConfig, pattern: str) -
         cfg.validate()
     with pytest.raises(ValueError, match=pattern):
         build_model(cfg)
+
+
+def test_explicit_head_dim_sets_the_attention_width() -> None:
+    # Qwen3 32B's shape in small: 4 heads of 48 on a 128-wide residual stream; dim need not divide by heads.
+    cfg = _with(dim=100, n_heads=4, n_kv_heads=2, head_dim=48, qk_norm=True, qkv_bias=True)
+    model = build_model(cfg, "cpu")
+    attention = model.layers["0"].attention
+    assert attention.wq.weight.shape == (192, 100) and attention.wk.bias.shape == (96,)
+    assert attention.wo.weight.shape == (100, 192) and attention.q_norm.weight.shape == (48,)
+    assert count(model) == num_params(cfg)
+    assert model(tokens(cfg)).shape == (2, 16, cfg.vocab_size)
 
 
 def test_unknown_preset_lists_valid_names() -> None:
