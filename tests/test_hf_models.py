@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_families import SEQ, as_transformers4, family_configs, layouts_job, reference, save_random_model, tokens
+from hf_families import SEQ, VOCAB, as_transformers4, family_configs, layouts_job, reference, save_random_model, tokens
 
 from meshfit.commands.main import main
 from meshfit.config import ConfigError, load_config
-from meshfit.models import ModelConfig, build_model
+from meshfit.models import ModelConfig, build_model, num_params
 from meshfit.models.hf import model_from_hf_config
 from meshfit.models.hf_weights import hf_model_type, load_hf, save_hf
 from meshfit.models.loss import lm_loss
@@ -42,6 +42,18 @@ def _logits_and_loss(model: torch.nn.Module, cfg: ModelConfig, toks: torch.Tenso
     with torch.no_grad():
         logits = model(toks[:, :-1])
     return logits, lm_loss(logits, toks[:, 1:], cfg.vocab_size).item()
+
+
+def test_explicit_head_dim_sets_the_attention_width() -> None:
+    # As Qwen3 32B (64 heads of 128 on 5120), in small: 4 heads of 48 on a 100-wide residual stream.
+    cfg = ModelConfig(family="llama", dim=100, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_hidden=128,
+                      max_seq_len=64, tie_embeddings=False, head_dim=48, qk_norm=True, qkv_bias=True)
+    model = build_model(cfg, "cpu")
+    attention = model.layers["0"].attention
+    assert attention.wq.weight.shape == (192, 100) and attention.wk.bias.shape == (96,)
+    assert attention.wo.weight.shape == (100, 192) and attention.q_norm.weight.shape == (48,)
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+    assert model(tokens()[:, :16]).shape == (2, 16, cfg.vocab_size)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

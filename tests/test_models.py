@@ -413,17 +413,6 @@ def test_validate_names_field_and_valid_values(cfg: ModelConfig, pattern: str) -
         build_model(cfg)
 
 
-def test_explicit_head_dim_sets_the_attention_width() -> None:
-    # Qwen3 32B's shape in small: 4 heads of 48 on a 128-wide residual stream; dim need not divide by heads.
-    cfg = _with(dim=100, n_heads=4, n_kv_heads=2, head_dim=48, qk_norm=True, qkv_bias=True)
-    model = build_model(cfg, "cpu")
-    attention = model.layers["0"].attention
-    assert attention.wq.weight.shape == (192, 100) and attention.wk.bias.shape == (96,)
-    assert attention.wo.weight.shape == (100, 192) and attention.q_norm.weight.shape == (48,)
-    assert count(model) == num_params(cfg)
-    assert model(tokens(cfg)).shape == (2, 16, cfg.vocab_size)
-
-
 def test_unknown_preset_lists_valid_names() -> None:
     with pytest.raises(ValueError, match=r"unknown model preset 'nope'.*tiny, tiny-gpt.*llama3-405b"):
         get_preset("nope")
