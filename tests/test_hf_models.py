@@ -112,6 +112,9 @@ def test_training_from_a_qwen3_folder_exports_a_qwen3(tmp_path: Path) -> None:
     save_random_model("qwen3", tmp_path / "qwen3")
     cfg = load_config(None, [f"model.init_from={tmp_path / 'qwen3'}", "train.steps=1", f"train.seq_len={SEQ}",
                              "train.global_batch=2", "train.device=cpu"])
+    from meshfit.train.launch import banner
+
+    assert f"meshfit train: model qwen3 of {tmp_path / 'qwen3'}, " in banner(cfg, resolve_run(cfg, 1), tmp_path, 1, None)
     assert launch(cfg, tmp_path / "run").ok
     weights, model, _ = read_model(find_checkpoint(tmp_path / "run"))
     assert model == cfg.model.resolve() and model.qk_norm and model.head_dim == 24

@@ -89,7 +89,10 @@ def _rope(f: _Fields) -> dict[str, Any]:
         if key not in _ROPE_KEYS[kind]:
             raise f.refuse(f"{spelling}.{key}", value, f"RoPE type {kind!r} reads "
                            f"{', '.join(_ROPE_KEYS[kind]) or 'no parameters besides rope_theta'}")
-        fields[_ROPE_KEYS[kind][key]] = value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{f.path}: {spelling}.{key}={value!r} must be a number")
+        field = _ROPE_KEYS[kind][key]
+        fields[field] = value if field == "rope_original_max_seq_len" else float(value)
     missing = [key for key in _ROPE_KEYS[kind] if _ROPE_KEYS[kind][key] not in fields]
     if missing:
         raise ValueError(f"{f.path}: {spelling} of type {kind!r} lacks {', '.join(missing)}")

@@ -108,7 +108,13 @@ def model_name(preset: str | None, model: Any, init_from: str | None = None) -> 
     if same is not None:
         return same
     if preset is None and init_from:
-        return f"{model.family} of {init_from}"
+        from meshfit.models.hf_weights import hf_model_type
+
+        try:
+            kind = hf_model_type(model)  # the Hugging Face family whose block it has
+        except ValueError:
+            kind = model.family
+        return f"{kind} of {init_from}"
     return f"custom {model.family} (preset {preset or DEFAULT_PRESET} reshaped)"
 
 
