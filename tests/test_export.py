@@ -92,18 +92,22 @@ def test_bad_export_and_init_inputs_are_named(tmp_path: Path, capsys: pytest.Cap
     whole = (tmp_path / "hf" / "model.safetensors").read_bytes()
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "model.safetensors").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "cut" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    one_file = "hf/model.safetensors"  # one weights file: the model section gives the shape
     main(["export", str(run_dir), "--out", str(tmp_path / "shards"), "--max-shard-size", "100KB"])
     (tmp_path / "shards" / "model-00002-of-00005.safetensors").unlink()
     (tmp_path / "ints").mkdir()
     save_file({k: v.long() for k, v in load_file(tmp_path / "hf" / "model.safetensors").items()},
               tmp_path / "ints" / "model.safetensors")
+    (tmp_path / "ints" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
     cases = [
         ("shards", [], "names shard model-00002-of-00005.safetensors, which is not in"),
         ("ints", [], "stores lm_head.weight as I64; the model's weights are floating point"),
         ("bad.safetensors", [], "bad.safetensors cannot be read as safetensors"),
         ("cut", [], "cut/model.safetensors cannot be read as safetensors"),
-        ("hf", ["model.dim=128"], "has shape (256, 64) there, the model needs (256, 128)"),
-        ("hf", ["model.n_layers=3"], "the weights have no tensor for 'layers.2."),
+        (one_file, ["model.dim=128"], "has shape (256, 64) there, the model needs (256, 128)"),
+        (one_file, ["model.n_layers=3"], "the weights have no tensor for 'layers.2."),
+        ("hf", ["model.dim=128"], "model.dim=128 disagrees with"),  # a folder: its config.json is the model
     ]
     capsys.readouterr()
     for folder, overrides, message in cases:

@@ -81,7 +81,7 @@ def test_gpt3_presets_have_published_sizes() -> None:
     assert 124.5e6 <= num_params(get_preset("gpt3-125m")) <= 125.5e6
     for name in PRESETS:
         if name.startswith("gpt3-"):
-            assert get_preset(name).head_dim in (64, 80, 96, 128)
+            assert get_preset(name).head_size in (64, 80, 96, 128)
 
 
 def test_meta_construction_of_70b_is_fast_and_allocates_nothing() -> None:
@@ -137,7 +137,7 @@ def test_gqa_equals_mha_with_duplicated_kv_heads() -> None:
     gqa_cfg = get_preset("tiny")  # 4 query heads share 2 kv heads
     mha_cfg = ModelConfig(**{**gqa_cfg.__dict__, "n_kv_heads": gqa_cfg.n_heads})
     gqa, mha = built("tiny", cfg=gqa_cfg), built("tiny", seed=1, cfg=mha_cfg)
-    n_rep, hd = gqa_cfg.n_heads // gqa_cfg.n_kv_heads, gqa_cfg.head_dim
+    n_rep, hd = gqa_cfg.n_heads // gqa_cfg.n_kv_heads, gqa_cfg.head_size
     state = gqa.state_dict()
     for key, value in state.items():
         if key.endswith(("attention.wk.weight", "attention.wv.weight")):
@@ -169,7 +169,7 @@ def test_attention_runs_on_tensor_parallel_shards(name: str) -> None:
     full = built(name).layers["0"].attention
     rope = (built(name).rope.cos, built(name).rope.sin) if cfg.family == "llama" else ()
     x = torch.randn(2, 10, cfg.dim)
-    q_rows, kv_rows = cfg.n_heads * cfg.head_dim // 2, cfg.n_kv_heads * cfg.head_dim // 2
+    q_rows, kv_rows = cfg.n_heads * cfg.head_size // 2, cfg.n_kv_heads * cfg.head_size // 2
     total = 0
     for rank in range(2):
         shard = type(full)(cfg)
@@ -390,6 +390,20 @@ def _with(**changes) -> ModelConfig:
         (_with(dropout=0.1), r"model\.dropout=0\.1 must be 0\.0 for family 'llama'"),
         (_with(family="gpt", n_kv_heads=2), r"model\.n_kv_heads=2 must equal model\.n_heads=4.*valid n_kv_heads: 4"),
         (_with(family="gpt", dropout=1.5), r"model\.dropout=1\.5 must be in \[0, 1\)"),
+        (_with(head_dim=0), r"model\.head_dim=0 must be a positive integer or null"),
+        (_with(head_dim=15), r"model\.head_dim=15 must be even \(RoPE rotates pairs of channels\)"),
+        (_with(sliding_window=-4), r"model\.sliding_window=-4 must be a positive integer or null"),
+        (_with(qk_norm="yes"), r"model\.qk_norm='yes' must be true or false"),
+        (_with(rope_scaling="yarn"), r"model\.rope_scaling='yarn'; valid: none, linear, llama3"),
+        (_with(rope_scaling="linear"), r"model\.rope_scaling='linear' needs model\.rope_factor"),
+        (_with(rope_scaling="linear", rope_factor=2.0, rope_original_max_seq_len=64),
+         r"model\.rope_original_max_seq_len=64 applies to model\.rope_scaling llama3, not 'linear'; set it to null"),
+        (_with(rope_factor=2.0), r"model\.rope_factor=2\.0 applies to model\.rope_scaling linear or llama3, not 'none'"),
+        (_with(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0,
+               rope_original_max_seq_len=64), r"model\.rope_low_freq_factor=4\.0 and model\.rope_high_freq_factor=1\.0 "
+                                              r"must satisfy 0 < low < high"),
+        (_with(family="gpt", n_kv_heads=4, qkv_bias=True),
+         r"model\.qkv_bias=True applies to family 'llama' only; for family 'gpt' leave it false"),
     ],
 )
 def test_validate_names_field_and_valid_values(cfg: ModelConfig, pattern: str) -> None:

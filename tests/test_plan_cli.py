@@ -194,7 +194,7 @@ def test_the_run_header_names_the_model_a_plan_file_describes():
     work = Workload(seq_len=2048, global_batch=8, precision="mixed")
     for preset in ("llama3-8b", "gpt3-125m"):
         cfg = load_config(None, sections=plan_sections(get_preset(preset), work, Layout(micro_batch=1)))
-        assert cfg.model.preset == "tiny"  # the plan's model section names no preset
+        assert cfg.model.preset is None  # the plan's model section names no preset
         line = banner(cfg, resolve_run(cfg, 1), Path("runs/x"), 1, None)
         assert line.startswith(f"meshfit train: model {preset}, "), line
     cfg = load_config(None, ["model.preset=llama3-8b", "model.n_layers=4"])

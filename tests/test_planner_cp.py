@@ -57,7 +57,7 @@ def test_block_activations_are_the_local_sequence_plus_the_gathered_keys_and_val
     for cp in (2, 4):
         local = block_activation_bytes(SMALL, seq=2048 // cp, **kw)
         kv = gathered_kv_bytes(SMALL, mode="bf16", seq=2048, batch=2)
-        assert kv == 2 * 2048 * 2 * SMALL.n_kv_heads * SMALL.head_dim * 2
+        assert kv == 2 * 2048 * 2 * SMALL.n_kv_heads * SMALL.head_size * 2
         assert block_activation_bytes(SMALL, seq=2048, cp=cp, **kw) == local + kv
         # Policies that recompute the attention core or keep only kernel outputs re-gather keys and values.
         for policy in ("op", "attention"):

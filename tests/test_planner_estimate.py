@@ -31,12 +31,14 @@ def _tracked_forward_bytes(cfg: ModelConfig, mode: str, batch: int, seq: int) ->
     return sum(v for k, v in snap.items() if str(k).endswith(("ACT", "TEMP")))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("family, variant", [("llama", {}), ("gpt", {}), ("llama", {"qkv_bias": True}),
+                                             ("llama", {"qk_norm": True, "head_dim": 48})],
+                         ids=["llama", "gpt", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
-def test_block_activations_match_what_torch_tracks(family, mode):
+def test_block_activations_match_what_torch_tracks(family, variant, mode):
     # The difference between a 3- and a 2-block model is exactly one block's saved tensors.
     base = dict(family=family, dim=128, n_heads=4, n_kv_heads=2 if family == "llama" else 4, vocab_size=512,
-                ffn_hidden=352, max_seq_len=64, tie_embeddings=False)
+                ffn_hidden=352, max_seq_len=64, tie_embeddings=False, **variant)
     batch, seq = 2, 64
     measured = (_tracked_forward_bytes(ModelConfig(n_layers=3, **base), mode, batch, seq)
                 - _tracked_forward_bytes(ModelConfig(n_layers=2, **base), mode, batch, seq))

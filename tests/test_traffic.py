@@ -97,14 +97,20 @@ def _loss_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, seq: int) -> i
     return meter.total
 
 
-@pytest.mark.parametrize("family,dropout,vocab", [("llama", 0.0, 320), ("gpt", 0.0, 320), ("gpt", 0.1, 300)])
+# Qwen2's q/k/v biases; Qwen3's q/k norms with heads wider than dim / heads.
+VARIANTS = {"plain": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True, "head_dim": 48}}
+
+
+@pytest.mark.parametrize("family,dropout,vocab,variant", [("llama", 0.0, 320, "plain"), ("gpt", 0.0, 320, "plain"),
+                                                          ("gpt", 0.1, 300, "plain"), ("llama", 0.0, 320, "qwen2"),
+                                                          ("llama", 0.0, 320, "qwen3")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_counted_bytes_per_token_match_the_model_code(family, dropout, vocab, dtype, monkeypatch):
+def test_counted_bytes_per_token_match_the_model_code(family, dropout, vocab, variant, dtype, monkeypatch):
     torch.manual_seed(0)
     # A vocabulary of 300 padded to 320: the loss masks the padding's logits.
     cfg = ModelConfig(family=family, dim=128, n_layers=1, n_heads=4, n_kv_heads=2 if family == "llama" else 4,
                       vocab_size=vocab, ffn_hidden=352, max_seq_len=64, tie_embeddings=False, dropout=dropout,
-                      pad_vocab_to=64)
+                      pad_vocab_to=64, **VARIANTS[variant])
     t = elementwise_traffic(cfg, dtype.itemsize)
     seq = 64
     block = (_block_bytes(cfg, dtype, 2, seq, monkeypatch) - _block_bytes(cfg, dtype, 1, seq, monkeypatch)) / seq

@@ -74,6 +74,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
 
 
 def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
+    from meshfit.config.model_source import with_overrides
     from meshfit.models.config import ModelConfig
     from meshfit.models.hf import model_from_hf_config
     from meshfit.models.presets import PRESETS
@@ -94,7 +95,7 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
     if changes:
-        name, model = f"{name}+custom", dataclasses.replace(model, **changes)
+        name, model = f"{name}+custom", with_overrides(model, changes)
     try:
         model.validate()
     except ValueError as exc:
@@ -103,8 +104,9 @@ def resolve_model(spec: str, dims: str):  # -> (name, ModelConfig)
 
 
 def default_seq_len(model) -> int:
-    """--seq-len when not given: DEFAULT_SEQ_LEN tokens, or fewer where the model has fewer positions."""
-    return min(DEFAULT_SEQ_LEN, model.max_seq_len)
+    """--seq-len when not given: DEFAULT_SEQ_LEN tokens, or fewer where the model has fewer positions (or a
+    shorter sliding window)."""
+    return min(DEFAULT_SEQ_LEN, model.max_seq_len, model.sliding_window or model.max_seq_len)
 
 
 def resolve_seq_len(args: argparse.Namespace, model) -> int:
@@ -113,7 +115,7 @@ def resolve_seq_len(args: argparse.Namespace, model) -> int:
     from meshfit.layout.model_fit import seq_len_error
 
     seq = args.seq_len or default_seq_len(model)
-    if error := seq_len_error(seq, model.max_seq_len, "--seq-len", "--dims max_seq_len=…"):
+    if error := seq_len_error(seq, model, "--seq-len", "--dims max_seq_len=…"):
         raise PlanInputError(error)
     return seq
 

@@ -53,9 +53,11 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """A named preset, optionally with any of its dimensions overridden."""
+    """A named preset, or the model of an init_from folder's config.json, optionally with any of its
+    dimensions overridden (for an init_from model, only where they agree with its config.json)."""
 
-    preset: str = "tiny"
+    # Unset: the model of init_from's config.json when init_from names a folder, else "tiny".
+    preset: str | None = None
     family: Literal["llama", "gpt"] | None = None
     dim: int | None = None
     n_layers: int | None = None
@@ -73,26 +75,28 @@ class ModelSection(_Section):
     pad_vocab_to: int | None = None
     # Attention kernel: flash (torch's fused scaled_dot_product_attention) or eager (scores materialised).
     attention: str | None = None  # checked by ModelConfig.validate
-    # Start from these weights instead of random ones: a folder (or file) of Hugging Face-style
-    # safetensors, as `meshfit export` writes. Shapes must match the model above.
+    # Llama-family variants (models/config.py): explicit head width, q/k/v biases, q/k norms, RoPE scaling
+    # ("none", "linear", "llama3") with its parameters, and the original model's attention window.
+    head_dim: int | None = None
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_seq_len: int | None = None
+    sliding_window: int | None = None
+    # Start from these weights instead of random ones: a Hugging Face model folder (config.json +
+    # safetensors, as `meshfit export` writes), whose config.json is then the model; or one safetensors
+    # file of the model above.
     init_from: str | None = None
 
     def resolve(self):  # -> meshfit.models.ModelConfig (import kept local: models import torch)
-        """The preset's ModelConfig with this section's overrides applied and validated."""
-        from meshfit.models import get_preset
+        """The model: the preset's (or init_from's config.json's) ModelConfig with this section's overrides
+        applied and validated."""
+        from meshfit.config.model_source import resolve_model
 
-        try:
-            base = get_preset(self.preset)
-        except ValueError as exc:
-            raise ConfigError(f"model.preset: {exc}") from None
-        overrides = {k: v for k, v in self.model_dump().items()
-                     if k not in ("preset", "init_from") and v is not None}
-        cfg = dataclasses.replace(base, **overrides)
-        try:
-            cfg.validate()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return cfg
+        return resolve_model(self)
 
 
 def _degree(value: int | None) -> int | None:

@@ -138,6 +138,10 @@ class Layout:
 
 
 def _convert(kind: str, raw: str) -> Any:
+    if kind.endswith(" | None"):  # an optional field: null (or none) unsets it
+        if raw.lower() in ("null", "none"):
+            return None
+        kind = kind.removesuffix(" | None")
     if kind == "bool":
         if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError
@@ -160,7 +164,9 @@ def parse_assignments(text: str, cls: type, flag: str) -> dict[str, Any]:
         try:
             values[key] = _convert(kind, raw)
         except ValueError:
-            raise ValueError(f"{flag} {key}={raw!r}: expected {_KINDS.get(kind, kind)}") from None
+            base = kind.removesuffix(" | None")
+            expected = _KINDS.get(base, base) + (" or null" if base != kind else "")
+            raise ValueError(f"{flag} {key}={raw!r}: expected {expected}") from None
     return values
 
 

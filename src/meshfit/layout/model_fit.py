@@ -10,17 +10,24 @@ from __future__ import annotations
 from meshfit.models.config import ModelConfig
 
 
-def seq_len_error(seq_len: int, max_seq_len: int, seq_field: str, raise_with: str) -> str | None:
-    """None when the model has a position for every token of a sequence; else the refusal.
+def seq_len_error(seq_len: int, model: ModelConfig, seq_field: str, raise_with: str) -> str | None:
+    """None when the model has a position for every token of a sequence and computes its attention as the
+    original model did; else the refusal.
 
     `seq_field` is where the length was set (--seq-len, train.seq_len, workload.seq_len) and `raise_with`
-    how to give the model more positions from there (--dims max_seq_len=…, model.max_seq_len=…).
+    how to give the model more positions from there (--dims max_seq_len=…, model.max_seq_len=…). A model
+    trained with a sliding attention window (Mistral) attends to the whole sequence here, which is the
+    same function only for sequences no longer than the window.
     """
-    if seq_len <= max_seq_len:
-        return None
     given = f"{seq_field} {seq_len}" if seq_field.startswith("--") else f"{seq_field}={seq_len}"
-    return (f"{given} exceeds the model's max_seq_len={max_seq_len} (the positions it has); use {seq_field} ≤ "
-            f"{max_seq_len} (or {raise_with})")
+    if seq_len > model.max_seq_len:
+        return (f"{given} exceeds the model's max_seq_len={model.max_seq_len} (the positions it has); use "
+                f"{seq_field} ≤ {model.max_seq_len} (or {raise_with})")
+    if model.sliding_window is not None and seq_len > model.sliding_window:
+        return (f"{given} exceeds the model's sliding_window={model.sliding_window}: meshfit attends to the whole "
+                f"sequence, which is the original model's attention only up to its window; use {seq_field} ≤ "
+                f"{model.sliding_window}")
+    return None
 
 
 def pipeline_model_error(model: ModelConfig, pp: int, virtual_stages: int) -> str | None:

@@ -11,10 +11,10 @@ from meshfit.models.config import ModelConfig
 
 def layer_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of one transformer block (matmuls + attention scores and weighted sum)."""
-    kv = cfg.n_kv_heads * cfg.head_dim
-    attn = 2 * cfg.dim * (2 * cfg.dim + 2 * kv)
+    q, kv = cfg.q_width, cfg.n_kv_heads * cfg.head_size
+    attn = 2 * cfg.dim * (2 * q + 2 * kv)  # q and output projections, k and v projections
     mlp = 2 * cfg.dim * cfg.ffn_hidden * (3 if cfg.family == "llama" else 2)
-    return attn + mlp + 4 * cfg.dim * seq_len
+    return attn + mlp + 4 * q * seq_len
 
 
 def head_flops(cfg: ModelConfig) -> float:

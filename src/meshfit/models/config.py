@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass, replace
 
 FAMILIES = ("llama", "gpt")
+# RoPE frequency scalings the Llama block models (Hugging Face's rope_type names): "linear" divides every
+# position by rope_factor; "llama3" divides the low frequencies by it and blends the middle band (Llama 3.1).
+ROPE_SCALINGS = ("none", "linear", "llama3")
 # Attention kernels: "flash" runs torch's fused scaled_dot_product_attention (it keeps a log-sum-exp per
 # head and query), "eager" materialises the scores (softmax output, dropout mask and output are kept).
 ATTENTIONS = ("flash", "eager")
@@ -28,10 +31,17 @@ class ModelConfig:
     """Shape of a decoder-only transformer.
 
     ``family`` selects the architecture: ``"llama"`` (RMSNorm, RoPE, SwiGLU,
-    grouped-query attention, no biases) or ``"gpt"`` (GPT-2/3: LayerNorm and
+    grouped-query attention, no biases unless ``qkv_bias``) or ``"gpt"`` (GPT-2/3: LayerNorm and
     linear biases, learned positions, GeLU MLP, multi-head attention).
     ``ffn_hidden`` is the SwiGLU hidden size for llama and the MLP width
     (usually ``4 * dim``) for gpt. ``dropout`` only applies to gpt.
+
+    Llama-family variants (each a Hugging Face family's block): ``head_dim`` set where heads are not
+    ``dim / n_heads`` wide (Qwen3, Mistral-Nemo); ``qkv_bias``: biases on the query, key and value
+    projections (Qwen2/2.5); ``qk_norm``: an RMSNorm of ``head_dim`` weights on every query and key head
+    before RoPE (Qwen3); ``rope_scaling`` with its parameters (Llama 3.1/3.2's "llama3", "linear");
+    ``sliding_window``: the attention window the original model was trained with (Mistral): meshfit
+    attends to the whole sequence, so sequences longer than it are refused (layout/model_fit.py).
     """
 
     family: str
@@ -51,10 +61,25 @@ class ModelConfig:
     pad_vocab_to: int = 1
     # Attention kernel (models/layers.py): "flash" (torch's fused SDPA) or "eager" (scores materialised).
     attention: str = "flash"
+    head_dim: int | None = None  # None: dim // n_heads (see head_size)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: str = "none"  # one of ROPE_SCALINGS
+    rope_factor: float | None = None  # linear, llama3: how much longer the context became
+    rope_low_freq_factor: float | None = None  # llama3: wavelengths above original / low are scaled fully
+    rope_high_freq_factor: float | None = None  # llama3: wavelengths below original / high are kept
+    rope_original_max_seq_len: int | None = None  # llama3: the context length before scaling
+    sliding_window: int | None = None
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim, or dim // n_heads when it is not set."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection's output (and of the attention's output projection input)."""
+        return self.n_heads * self.head_size
 
     @property
     def padded_vocab(self) -> int:
@@ -70,13 +95,17 @@ class ModelConfig:
         # Sizes first: the divisibility checks below would divide by zero otherwise.
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len",
                      "pad_vocab_to"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{name}={value!r} must be a positive integer")
-        if self.dim % self.n_heads:
+            _check_positive(name, getattr(self, name))
+        for name in ("head_dim", "sliding_window", "rope_original_max_seq_len"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name), "a positive integer or null")
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        if self.head_dim is None and self.dim % self.n_heads:
             raise ValueError(
                 f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}; "
-                f"valid n_heads: {_fmt(_divisors(self.dim))}"
+                f"valid n_heads: {_fmt(_divisors(self.dim))} (or set model.head_dim)"
             )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
@@ -95,17 +124,39 @@ class ModelConfig:
             self._validate_gpt()
 
     def _validate_llama(self) -> None:
-        if self.head_dim % 2:
+        if self.head_size % 2:
             # RoPE rotates pairs of channels.
+            if self.head_dim is not None:
+                raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of channels)")
             even = [h for h in _divisors(self.dim) if (self.dim // h) % 2 == 0]
             raise ValueError(
-                f"model.n_heads={self.n_heads} gives odd head_dim={self.head_dim} (model.dim={self.dim}); "
+                f"model.n_heads={self.n_heads} gives odd head_dim={self.head_size} (model.dim={self.dim}); "
                 f"RoPE needs an even head_dim; valid n_heads: {_fmt(even)}"
             )
         if self.dropout != 0.0:
             raise ValueError(f"model.dropout={self.dropout} must be 0.0 for family 'llama' (it has no dropout)")
         if self.rope_theta <= 0:
             raise ValueError(f"model.rope_theta={self.rope_theta} must be > 0")
+        self._validate_rope_scaling()
+
+    def _validate_rope_scaling(self) -> None:
+        kind = self.rope_scaling
+        if kind not in ROPE_SCALINGS:
+            raise ValueError(f"model.rope_scaling={kind!r}; valid: {', '.join(ROPE_SCALINGS)}")
+        needed = _ROPE_NEEDS[kind]
+        for name in _ROPE_NEEDS["llama3"]:
+            value = getattr(self, name)
+            if name in needed and value is None:
+                raise ValueError(f"model.rope_scaling={kind!r} needs model.{name}")
+            if name not in needed and value is not None:
+                users = [k for k, names in _ROPE_NEEDS.items() if name in names]
+                raise ValueError(f"model.{name}={value} applies to model.rope_scaling {' or '.join(users)}, "
+                                 f"not {kind!r}; set it to null")
+        if kind != "none" and not self.rope_factor > 0:
+            raise ValueError(f"model.rope_factor={self.rope_factor} must be > 0")
+        if kind == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and model.rope_high_freq_factor="
+                             f"{self.rope_high_freq_factor} must satisfy 0 < low < high")
 
     def _validate_gpt(self) -> None:
         if self.n_kv_heads != self.n_heads:
@@ -113,14 +164,32 @@ class ModelConfig:
                 f"model.n_kv_heads={self.n_kv_heads} must equal model.n_heads={self.n_heads} "
                 f"for family 'gpt' (multi-head attention); valid n_kv_heads: {self.n_heads}"
             )
+        # The Llama block's variants; GPT's block already has a bias on every projection.
+        for name, plain in (("head_dim", None), ("qkv_bias", False), ("qk_norm", False), ("rope_scaling", "none"),
+                            ("sliding_window", None), *((n, None) for n in _ROPE_NEEDS["llama3"])):
+            if getattr(self, name) != plain:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} applies to family 'llama' only; for "
+                                 f"family 'gpt' leave it {'null' if plain is None else str(plain).lower()}")
+
+
+# The parameters each RoPE scaling reads (Hugging Face's _compute_linear_scaling_rope_parameters and
+# _compute_llama3_parameters); every other one stays null.
+ROPE_PARAMETERS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+_ROPE_NEEDS = {"none": (), "linear": ("rope_factor",), "llama3": ROPE_PARAMETERS}
+
+
+def _check_positive(name: str, value: object, what: str = "a positive integer") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"model.{name}={value!r} must be {what}")
 
 
 def _llama_layer_params(cfg: ModelConfig) -> int:
-    d, hd = cfg.dim, cfg.head_dim
-    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2  # wq, wo + wk, wv
+    d, q, kv = cfg.dim, cfg.q_width, cfg.n_kv_heads * cfg.head_size
+    attn = d * q * 2 + d * kv * 2  # wq, wo + wk, wv
+    biases = q + 2 * kv if cfg.qkv_bias else 0  # wq, wk, wv
     mlp = 3 * d * cfg.ffn_hidden  # w1, w2, w3
-    norms = 2 * d  # RMSNorm weights
-    return attn + mlp + norms
+    norms = 2 * d + (2 * cfg.head_size if cfg.qk_norm else 0)  # RMSNorm weights (+ q_norm, k_norm)
+    return attn + biases + mlp + norms
 
 
 def _gpt_layer_params(cfg: ModelConfig) -> int:
@@ -151,13 +220,13 @@ def num_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token, Kaplan/PaLM style.
 
-    ``6 * N + 12 * n_layers * dim * seq_len`` where ``N`` is every parameter
+    ``6 * N + 12 * n_layers * q_width * seq_len`` where ``N`` is every parameter
     except the input token-embedding and positional tables (lookups, not
     matmuls), but including the output head even when it shares its weight
     with the input embedding (it is still a ``dim x vocab`` matmul). The
     second term is the attention score (QK^T) and weighted-sum (AV) matmuls:
-    2 matmuls * 2 FLOPs/MAC * 3 (fwd + 2x bwd) = 12 per layer, dim and key
-    position, counted over the full ``seq_len`` (causal masking is ignored,
+    2 matmuls * 2 FLOPs/MAC * 3 (fwd + 2x bwd) = 12 per layer, query channel
+    (n_heads * head_size, which is dim unless head_dim is set) and key position, counted over the full ``seq_len`` (causal masking is ignored,
     as in the PaLM MFU definition). Norm and bias parameters are counted in
     ``N``; they are negligible.
     """
@@ -165,7 +234,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n = num_params(cfg) - pos
     if not cfg.tie_embeddings:
         n -= tok  # the separate output head stays counted
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.q_width * seq_len
 
 
 def pad_vocab_for_tp(cfg: ModelConfig, tp: int) -> ModelConfig:

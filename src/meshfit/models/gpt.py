@@ -19,7 +19,7 @@ from meshfit.models.tying import TiedHead
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_size
         self.wq = nn.Linear(cfg.dim, cfg.dim)
         self.wk = nn.Linear(cfg.dim, cfg.dim)
         self.wv = nn.Linear(cfg.dim, cfg.dim)

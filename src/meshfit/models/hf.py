@@ -1,4 +1,12 @@
-"""Model shapes from a Hugging Face ``config.json`` (Llama- and GPT-2-family models)."""
+"""Model shapes from a Hugging Face ``config.json``: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3 (dense), GPT-2.
+
+The folder is the model: every field of the file that changes the function its weights compute is read
+into the ModelConfig (head_dim, Qwen2's q/k/v biases, Qwen3's q/k norms, RoPE's theta and scaling,
+Mistral's sliding window) or refused with one line naming it (a RoPE scaling, activation, bias or
+dropout meshfit's blocks do not have). Both spellings of RoPE are read: transformers 4's ``rope_theta`` +
+``rope_scaling`` (the Hub's Llama 3.1 files) and transformers 5's ``rope_parameters``. A field missing
+from the file takes the default transformers gives it.
+"""
 
 from __future__ import annotations
 
@@ -8,40 +16,139 @@ from typing import Any
 from meshfit.models.config import ModelConfig
 from meshfit.util.jsonfile import read_json_object
 
-# model_type values whose architecture is meshfit's Llama block (RMSNorm, RoPE, SwiGLU, GQA, no biases).
-LLAMA_TYPES = ("llama", "mistral")
+# model_type values whose block is meshfit's Llama block (RMSNorm, RoPE, SwiGLU, GQA) with their variants.
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GPT_TYPES = ("gpt2",)
+CONFIG_FILE = "config.json"
+
+# Fields whose other values change the function, with the values meshfit's blocks compute (None: the field
+# may be absent). Checked before anything else is read.
+_FIXED: dict[str, dict[str, tuple[Any, ...]]] = {
+    "llama": {"attention_bias": (None, False), "mlp_bias": (None, False)},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"attention_bias": (None, False)},
+    "gpt2": {"activation_function": (None, "gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (None, True),
+             "scale_attn_by_inverse_layer_idx": (None, False), "add_cross_attention": (None, False)},
+}
+_LLAMA_FIXED = {"hidden_act": (None, "silu", "swish"), "attention_dropout": (None, 0, 0.0),
+                "partial_rotary_factor": (None, 1, 1.0), "quantization_config": (None,)}
+# The RoPE parameters each rope_type reads, by meshfit field.
+_ROPE_KEYS = {"default": {}, "linear": {"factor": "rope_factor"},
+              "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                         "high_freq_factor": "rope_high_freq_factor",
+                         "original_max_position_embeddings": "rope_original_max_seq_len"}}
 
 
-def _need(cfg: dict[str, Any], path: Path, *keys: str) -> Any:
-    for key in keys:
-        if key in cfg and cfg[key] is not None:
-            return cfg[key]
-    raise ValueError(f"{path}: missing field {' or '.join(repr(k) for k in keys)} for model_type "
-                     f"{cfg.get('model_type')!r}")
+class _Fields:
+    """The config.json's fields, read with the file's name in every error."""
+
+    def __init__(self, cfg: dict[str, Any], path: Path) -> None:
+        self.cfg, self.path = cfg, path
+
+    def need(self, *keys: str) -> Any:
+        for key in keys:
+            if self.cfg.get(key) is not None:
+                return self.cfg[key]
+        raise ValueError(f"{self.path}: missing field {' or '.join(repr(k) for k in keys)} for model_type "
+                         f"{self.cfg.get('model_type')!r}")
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.cfg.get(key)
+        return default if value is None else value
+
+    def refuse(self, field: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"{self.path}: {field}={value!r} is not modelled by meshfit: {why}")
+
+    def check_fixed(self, table: dict[str, tuple[Any, ...]]) -> None:
+        for key, valid in table.items():
+            value = self.cfg.get(key)
+            if not any(value == v and type(value) is type(v) or value is v for v in valid):
+                shown = ", ".join(repr(v) for v in valid if v is not None) or "absent or null"
+                raise self.refuse(key, value, f"meshfit's block computes {shown}")
 
 
-def _llama(cfg: dict[str, Any], path: Path) -> ModelConfig:
-    heads = _need(cfg, path, "num_attention_heads")
+def _rope(f: _Fields) -> dict[str, Any]:
+    """rope_theta and the scaling's ModelConfig fields, from either spelling."""
+    params = f.cfg.get("rope_parameters")
+    spelling, spec = ("rope_parameters", params) if isinstance(params, dict) else ("rope_scaling",
+                                                                                 f.cfg.get("rope_scaling"))
+    spec = spec or {}
+    if not isinstance(spec, dict):
+        raise f.refuse(spelling, spec, "expected an object of RoPE parameters or null")
+    theta = spec.get("rope_theta", f.get("rope_theta", 10000.0))
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind not in _ROPE_KEYS:
+        raise f.refuse(f"{spelling}.rope_type", kind, f"modelled RoPE types: {', '.join(_ROPE_KEYS)}")
+    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": "none" if kind == "default" else kind}
+    for key, value in spec.items():
+        if key in ("rope_type", "type", "rope_theta"):
+            continue
+        if key == "partial_rotary_factor" and value in (1, 1.0):
+            continue
+        if key not in _ROPE_KEYS[kind]:
+            raise f.refuse(f"{spelling}.{key}", value, f"RoPE type {kind!r} reads "
+                           f"{', '.join(_ROPE_KEYS[kind]) or 'no parameters besides rope_theta'}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{f.path}: {spelling}.{key}={value!r} must be a number")
+        field = _ROPE_KEYS[kind][key]
+        fields[field] = value if field == "rope_original_max_seq_len" else float(value)
+    missing = [key for key in _ROPE_KEYS[kind] if _ROPE_KEYS[kind][key] not in fields]
+    if missing:
+        raise ValueError(f"{f.path}: {spelling} of type {kind!r} lacks {', '.join(missing)}")
+    return fields
+
+
+def _window(f: _Fields, kind: str, n_layers: int) -> int | None:
+    """The attention window some layer slides, or None where every layer attends to the whole prefix."""
+    if kind == "mistral":
+        return f.cfg.get("sliding_window")
+    if kind not in ("qwen2", "qwen3"):
+        return None
+    layer_types = f.cfg.get("layer_types")
+    if isinstance(layer_types, list):  # transformers 5 spells out each layer's kind
+        windowed = "sliding_attention" in layer_types
+    else:
+        windowed = bool(f.cfg.get("use_sliding_window")) and f.get("max_window_layers", 28) < n_layers
+    return f.need("sliding_window") if windowed else None
+
+
+def _head_dim(f: _Fields, kind: str, dim: int, heads: int) -> int | None:
+    """The explicit head width, or None where it is dim / heads (the one spelling presets compare with)."""
+    head_dim = f.cfg.get("head_dim", 128 if kind == "qwen3" else None)  # Qwen3Config's default
+    if head_dim is None or (dim % heads == 0 and head_dim == dim // heads):
+        return None
+    return head_dim
+
+
+def _llama(f: _Fields, kind: str) -> ModelConfig:
+    f.check_fixed({**_LLAMA_FIXED, **_FIXED[kind]})
+    dim, heads, layers = f.need("hidden_size"), f.need("num_attention_heads"), f.need("num_hidden_layers")
+    kv_heads = f.get("num_key_value_heads", heads) if kind == "llama" else f.need("num_key_value_heads")
     return ModelConfig(
-        family="llama", dim=_need(cfg, path, "hidden_size"), n_layers=_need(cfg, path, "num_hidden_layers"),
-        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        vocab_size=_need(cfg, path, "vocab_size"), ffn_hidden=_need(cfg, path, "intermediate_size"),
-        max_seq_len=_need(cfg, path, "max_position_embeddings"),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        family="llama", dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
+        vocab_size=f.need("vocab_size"), ffn_hidden=f.need("intermediate_size"),
+        max_seq_len=f.need("max_position_embeddings"), tie_embeddings=bool(f.get("tie_word_embeddings", False)),
+        norm_eps=float(f.get("rms_norm_eps", 1e-6)), head_dim=_head_dim(f, kind, dim, heads),
+        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", sliding_window=_window(f, kind, layers), **_rope(f),
     )
 
 
-def _gpt2(cfg: dict[str, Any], path: Path) -> ModelConfig:
-    dim = _need(cfg, path, "n_embd", "hidden_size")
-    heads = _need(cfg, path, "n_head", "num_attention_heads")
+def _gpt2(f: _Fields) -> ModelConfig:
+    f.check_fixed(_FIXED["gpt2"])
+    dim = f.need("n_embd", "hidden_size")
+    heads = f.need("n_head", "num_attention_heads")
+    # meshfit's GPT block drops out with one probability everywhere.
+    drops = {key: f.get(key, 0.1) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if len(set(drops.values())) > 1:
+        raise f.refuse("attn_pdrop", drops["attn_pdrop"], "meshfit's GPT block drops out with one probability "
+                       f"everywhere; here resid_pdrop={drops['resid_pdrop']}, embd_pdrop={drops['embd_pdrop']}")
     return ModelConfig(
-        family="gpt", dim=dim, n_layers=_need(cfg, path, "n_layer", "num_hidden_layers"), n_heads=heads,
-        n_kv_heads=heads, vocab_size=_need(cfg, path, "vocab_size"), ffn_hidden=cfg.get("n_inner") or 4 * dim,
-        max_seq_len=_need(cfg, path, "n_positions", "max_position_embeddings"),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), dropout=float(cfg.get("resid_pdrop", 0.0)),
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        family="gpt", dim=dim, n_layers=f.need("n_layer", "num_hidden_layers"), n_heads=heads,
+        n_kv_heads=heads, vocab_size=f.need("vocab_size"), ffn_hidden=f.get("n_inner", 4 * dim),
+        max_seq_len=f.need("n_positions", "max_position_embeddings"),
+        tie_embeddings=bool(f.get("tie_word_embeddings", True)), dropout=float(drops["resid_pdrop"]),
+        norm_eps=float(f.get("layer_norm_epsilon", 1e-5)),
     )
 
 
@@ -50,15 +157,28 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     cfg = read_json_object(path, "file", "give the path of a Hugging Face config.json")
     kind = cfg.get("model_type")
+    fields = _Fields(cfg, path)
     if kind in LLAMA_TYPES:
-        model = _llama(cfg, path)
+        model = _llama(fields, kind)
     elif kind in GPT_TYPES:
-        model = _gpt2(cfg, path)
+        model = _gpt2(fields)
     else:
         raise ValueError(f"{path}: model_type {kind!r} is not supported; supported: "
-                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama- and GPT-2-style decoders)")
+                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama-, Mistral-, Qwen- and GPT-2-style decoders)")
     try:
         model.validate()
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from None
     return model
+
+
+def hf_config_file(init_from: str | Path) -> Path | None:
+    """The config.json that describes model.init_from's model: the folder's own; None for one weights file
+    (its shape comes from the model section). ValueError for a folder without one."""
+    path = Path(init_from)
+    if not path.is_dir():
+        return None
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"model.init_from={path}: the folder has no {CONFIG_FILE}, which says what model its "
+                         "weights are (give a Hugging Face model folder, or the folder `meshfit export` wrote)")
+    return path / CONFIG_FILE

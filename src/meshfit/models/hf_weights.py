@@ -1,6 +1,8 @@
-"""meshfit weights ⇄ Hugging Face weights (LlamaForCausalLM, GPT2LMHeadModel) and their config.json.
+"""meshfit weights ⇄ Hugging Face weights (Llama, Mistral, Qwen2, Qwen3 and GPT-2 causal LMs) and their
+config.json.
 
-meshfit's Llama block is HF's (RMSNorm, rotate-half RoPE, SwiGLU, GQA, no biases): tensors are renamed.
+meshfit's Llama block is HF's Llama, Mistral, Qwen2 and Qwen3 block (RMSNorm, rotate-half RoPE, SwiGLU,
+GQA; Qwen2's q/k/v biases, Qwen3's q/k norms): tensors are renamed.
 meshfit's GPT block is GPT-2's with separate q/k/v projections stored as nn.Linear ([out, in]); GPT-2 keeps
 them fused in one Conv1D ([in, 3·out]), so those are concatenated and transposed.
 """
@@ -24,6 +26,11 @@ _LLAMA = [  # (meshfit, HF) with {i} for the layer index
     ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
     ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
     ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attention.wq.bias", "model.layers.{i}.self_attn.q_proj.bias"),  # qkv_bias (Qwen2)
+    ("layers.{i}.attention.wk.bias", "model.layers.{i}.self_attn.k_proj.bias"),
+    ("layers.{i}.attention.wv.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),  # qk_norm (Qwen3)
+    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
@@ -109,18 +116,63 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> 
     return {k: v.contiguous() for k, v in out.items()}
 
 
+# Hugging Face architecture of each model_type meshfit writes.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type whose block is `cfg`'s: Qwen3 has q/k norms, Qwen2 q/k/v biases, Mistral a
+    sliding window; a plain Llama-family model is a Llama. ValueError for a variant no such class has."""
+    if cfg.family == "gpt":
+        return "gpt2"
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError("model.qkv_bias and model.qk_norm together: no Hugging Face architecture meshfit writes "
+                         "has both (Qwen2 has the biases, Qwen3 the norms)")
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window is not None else "llama"
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """`rope_scaling` as transformers 4 and the Hub's Llama 3.1 files spell it (transformers 5 reads it too)."""
+    if cfg.rope_scaling == "none":
+        return None
+    out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_seq_len)
+    return out
+
+
+def _llama_family_config(cfg: ModelConfig, kind: str) -> dict[str, Any]:
+    out = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "hidden_size": cfg.dim,
+           "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
+           "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "hidden_act": "silu",
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0}
+    if kind in ("llama", "qwen3"):
+        out.update(attention_bias=False, **({"mlp_bias": False} if kind == "llama" else {}))
+    if kind == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    if kind in ("qwen2", "qwen3"):
+        # A window, where set, on every layer (max_window_layers 0): the strictest reading of it.
+        windowed = cfg.sliding_window is not None
+        out.update(use_sliding_window=windowed, sliding_window=cfg.sliding_window,
+                   max_window_layers=0 if windowed else cfg.n_layers)
+    return out
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for transformers' LlamaForCausalLM or GPT2LMHeadModel."""
+    """config.json for the transformers class of `cfg` (hf_model_type), every modelled field written."""
     dtype_name = str(dtype).removeprefix("torch.")
-    if cfg.family == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-                "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
-                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-                "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-                "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-                "torch_dtype": dtype_name}
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.dim, "n_layer": cfg.n_layers,
+    kind = hf_model_type(cfg)
+    if kind != "gpt2":
+        return {**_llama_family_config(cfg, kind), "torch_dtype": dtype_name}
+    return {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "n_embd": cfg.dim, "n_layer": cfg.n_layers,
             "n_head": cfg.n_heads, "n_inner": cfg.ffn_hidden, "vocab_size": cfg.vocab_size,
             "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,

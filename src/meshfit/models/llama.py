@@ -14,11 +14,13 @@ from torch import nn
 
 from meshfit.models.config import ModelConfig
 from meshfit.models.layers import AttentionCore, RMSNorm
+from meshfit.models.rope import inverse_frequencies
 from meshfit.models.tying import TiedHead
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed RoPE cos/sin tables of shape ``[max_seq_len, head_dim]``.
+    """Precomputed RoPE cos/sin tables of shape ``[max_seq_len, head_dim]``, at the frequencies of the
+    config's RoPE scaling (models/rope.py).
 
     The tables are non-persistent buffers: they are not checkpointed and are
     recomputed by :meth:`init_buffers` after ``to_empty`` materializes a
@@ -29,20 +31,18 @@ class RotaryEmbedding(nn.Module):
 
     position_rows: torch.Tensor | None = None
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        self.max_seq_len = max_seq_len
-        self.theta = theta
-        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.cfg = cfg
+        self.max_seq_len = cfg.max_seq_len
+        self.register_buffer("cos", torch.empty(cfg.max_seq_len, cfg.head_size), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.max_seq_len, cfg.head_size), persistent=False)
         self.init_buffers()
 
     @torch.no_grad()
     def init_buffers(self) -> None:
         device = self.cos.device
-        half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
-        inv_freq = 1.0 / (self.theta ** (half / self.head_dim))
+        inv_freq = inverse_frequencies(self.cfg, device)
         positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
         if self.position_rows is not None:
             positions[:len(self.position_rows)] = self.position_rows.to(device, torch.float32)
@@ -71,13 +71,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; with ``qkv_bias`` biases on the q/k/v projections (Qwen2), with ``qk_norm``
+    an RMSNorm over each query and key head before RoPE (Qwen3), its ``head_dim`` weights shared by
+    every head (tensor parallelism keeps them whole on every rank)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.head_dim = cfg.head_size
+        q, kv = cfg.q_width, cfg.n_kv_heads * cfg.head_size
+        self.wq = nn.Linear(cfg.dim, q, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_size, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_size, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(0.0, cfg.attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,6 +94,8 @@ class Attention(nn.Module):
         q = q.view(bs, seqlen, -1, self.head_dim)
         k = k.view(bs, seqlen, -1, self.head_dim)
         v = v.view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
         out = self.core(q, k, v)
@@ -131,7 +140,7 @@ class Llama(TiedHead):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.padded_vocab, cfg.dim)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)

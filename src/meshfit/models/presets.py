@@ -1,6 +1,10 @@
-"""Named model shapes: tiny ones for tests and the published Llama 3 / GPT-3 sizes."""
+"""Named model shapes: tiny ones for tests, the published Llama 3 / GPT-3 sizes, and the released Llama 3.1/3.2,
+Qwen2.5, Qwen3 and Mistral models as their Hugging Face config.json files describe them (RoPE scaling,
+head widths, biases and norms included), so that `plan` and `verify` need no weights."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from meshfit.models.config import ModelConfig
 from meshfit.util.did_you_mean import did_you_mean
@@ -20,6 +24,25 @@ def _llama3(dim: int, n_layers: int, n_heads: int, ffn_hidden: int, tied: bool) 
         norm_eps=1e-5,
         rope_theta=500000.0,
     )
+
+
+def _llama31(dim: int, n_layers: int, n_heads: int, ffn_hidden: int, tied: bool, factor: float) -> ModelConfig:
+    # meta-llama/Llama-3.1-{8B,70B,405B} and Llama-3.2-{1B,3B} config.json: Llama 3's shapes with 131072
+    # positions and rope_scaling {rope_type llama3, factor, low_freq_factor 1, high_freq_factor 4,
+    # original_max_position_embeddings 8192} (8 for 3.1, 32 for 3.2).
+    return replace(_llama3(dim, n_layers, n_heads, ffn_hidden, tied), max_seq_len=131072, rope_scaling="llama3",
+                   rope_factor=factor, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                   rope_original_max_seq_len=8192)
+
+
+def _qwen(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab: int, max_seq: int,
+          eps: float, qwen3: bool) -> ModelConfig:
+    # Qwen/Qwen2.5-* (q/k/v biases) and Qwen/Qwen3-* (q/k norms, head_dim 128) config.json: rope_theta 1e6,
+    # untied embeddings, no sliding window in use.
+    return ModelConfig(family="llama", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       vocab_size=vocab, ffn_hidden=ffn_hidden, max_seq_len=max_seq, tie_embeddings=False,
+                       norm_eps=eps, rope_theta=1000000.0, qkv_bias=not qwen3, qk_norm=qwen3,
+                       head_dim=128 if qwen3 and dim != 128 * n_heads else None)
 
 
 def _gpt3(dim: int, n_layers: int, n_heads: int) -> ModelConfig:
@@ -55,13 +78,28 @@ PRESETS: dict[str, ModelConfig] = {
         family="gpt", dim=256, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=512,
         ffn_hidden=1024, max_seq_len=512, tie_embeddings=True, dropout=0.0,
     ),
-    # Llama 3.2 1B/3B (tied) and Llama 3/3.1 8B/70B/405B. RoPE frequency
-    # scaling used for 3.1's 128k context is not modelled.
+    # Llama 3.2 1B/3B shapes (tied) and Llama 3 8B/70B/405B, with Llama 3's 8192 positions and unscaled
+    # RoPE (the llama3.1-* and llama3.2-* presets below are the released models).
     "llama3-1b": _llama3(2048, 16, 32, 8192, tied=True),
     "llama3-3b": _llama3(3072, 28, 24, 8192, tied=True),
     "llama3-8b": _llama3(4096, 32, 32, 14336, tied=False),
     "llama3-70b": _llama3(8192, 80, 64, 28672, tied=False),
     "llama3-405b": _llama3(16384, 126, 128, 53248, tied=False),
+    # Released models, from their config.json (tests/test_hf_presets.py builds each in transformers from the
+    # same values and compares the parameter count).
+    "llama3.1-8b": _llama31(4096, 32, 32, 14336, tied=False, factor=8.0),
+    "llama3.1-70b": _llama31(8192, 80, 64, 28672, tied=False, factor=8.0),
+    "llama3.1-405b": _llama31(16384, 126, 128, 53248, tied=False, factor=8.0),
+    "llama3.2-1b": _llama31(2048, 16, 32, 8192, tied=True, factor=32.0),
+    "llama3.2-3b": _llama31(3072, 28, 24, 8192, tied=True, factor=32.0),
+    "qwen2.5-7b": _qwen(3584, 28, 28, 4, 18944, 152064, 131072, 1e-6, qwen3=False),
+    "qwen2.5-72b": _qwen(8192, 80, 64, 8, 29568, 152064, 131072, 1e-5, qwen3=False),
+    "qwen3-8b": _qwen(4096, 36, 32, 8, 12288, 151936, 40960, 1e-6, qwen3=True),
+    "qwen3-32b": _qwen(5120, 64, 64, 8, 25600, 151936, 40960, 1e-6, qwen3=True),
+    # mistralai/Mistral-7B-v0.1 config.json: a 4096-token sliding window (longer sequences are refused).
+    "mistral-7b": ModelConfig(family="llama", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                              ffn_hidden=14336, max_seq_len=32768, tie_embeddings=False, norm_eps=1e-5,
+                              rope_theta=10000.0, sliding_window=4096),
     "gpt3-125m": _gpt3(768, 12, 12),
     "gpt3-350m": _gpt3(1024, 24, 16),
     "gpt3-760m": _gpt3(1536, 24, 16),

@@ -17,7 +17,8 @@ gradient). Per operator, with ``c`` bytes per compute value:
 * gradients of a tensor several layers read are summed: the attention input's (q, k and v projections:
   two sums) and, for SwiGLU, the FFN input's (one), 3c each, over the whole dim-wide tensor (sequence
   parallelism gathers it first);
-* bias gradients (GPT): one read of every biased output's gradient;
+* bias gradients (GPT, Llama-family q/k/v biases): one read of every biased output's gradient;
+* per-head q/k norms (Qwen3): a norm over every query and key value;
 * embeddings: each lookup reads and writes a row (2c) and its gradient is read again (2c); GPT adds the
   positions (3c) and drops out (2c + 1 each way);
 * the loss over the vocabulary, fp32: the cast (c + 4 when c < 4), log-softmax 8, its backward 12, the
@@ -60,13 +61,18 @@ class Traffic:
 def elementwise_traffic(cfg: ModelConfig, c: int) -> Traffic:
     """Bytes per token of ``cfg``'s element-wise kernels with ``c``-byte compute values (4 fp32, 2 bf16)."""
     h, f = cfg.dim, cfg.ffn_hidden
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    q, kv = cfg.q_width, cfg.n_kv_heads * cfg.head_size
     cast = c + 4 if c < 4 else 0  # an fp32 copy of a compute value (a no-op in fp32)
     if cfg.family == "llama":
         rope = (40 + 2 * cast) * (q + kv)
         norm_fwd, norm_bwd = 2 * c, 3 * c + 2 * c  # checkpointed: the forward runs again in backward
         split_fwd = rope + 5 * c * f
         split_bwd = rope + 9 * c * f
+        if cfg.qk_norm:  # the per-head norms of every query and key value
+            split_fwd += norm_fwd * (q + kv)
+            split_bwd += norm_bwd * (q + kv)
+        if cfg.qkv_bias:
+            split_bwd += c * (q + 2 * kv)  # + gradients of the q/k/v projections' biases
         wide_fwd = 2 * (norm_fwd + 3 * c) * h
         wide_bwd = 2 * (norm_bwd + 3 * c) * h
         embed, final_norm = (2 * c + 2 * c) * h, (norm_fwd + norm_bwd) * h

@@ -1,8 +1,8 @@
 """Tensor parallelism (Megatron-style) as data: a plan maps module paths to DTensor parallel styles.
 
-Attention q/k/v and MLP up/gate are split by output columns, attention output and MLP down by input rows,
-so each block needs one reduction in forward and one in backward. The token embedding is split by
-vocabulary rows and the output head by vocabulary columns. With sequence parallelism the norms, dropout and
+Attention q/k/v (with their biases) and MLP up/gate are split by output columns, attention output and MLP
+down by input rows, so each block needs one reduction in forward and one in backward; per-head q/k norms
+stay whole on every rank. The token embedding is split by vocabulary rows and the output head by vocabulary columns. With sequence parallelism the norms, dropout and
 the residual stream between the split regions hold 1/t of the sequence; with loss parallelism the
 cross-entropy runs on vocabulary-sharded logits that are never gathered.
 """
@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 from meshfit.models import ModelConfig
 
 
-def _block_plan(family: str, sp: bool) -> dict[str, ParallelStyle]:
+def _block_plan(family: str, sp: bool, qk_norm: bool = False) -> dict[str, ParallelStyle]:
     residual = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
@@ -35,6 +35,11 @@ def _block_plan(family: str, sp: bool) -> dict[str, ParallelStyle]:
     }
     if family == "llama":
         plan["feed_forward.w3"] = ColwiseParallel()
+    if qk_norm:
+        # Each rank normalises its own query and key heads ([b, s, heads, head_dim], heads split: Shard(2))
+        # with the whole per-head weight (replicated), whose gradient is summed over the heads of every rank.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sp:
         # The attention also takes the RoPE tables (plain tensors, left as they are).
         extra = (None, None) if family == "llama" else ()
@@ -73,7 +78,7 @@ def tp_plan(cfg: ModelConfig, *, sp: bool, loss_parallel: bool, layers: list[str
                                                              desired_input_layouts=(Shard(1),),
                                                              use_local_output=True)
     for name in layers:
-        plan.update({f"layers.{name}.{path}": style for path, style in _block_plan(cfg.family, sp).items()})
+        plan.update({f"layers.{name}.{path}": style for path, style in _block_plan(cfg.family, sp, cfg.qk_norm).items()})
     return plan
 
 

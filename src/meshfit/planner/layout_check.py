@@ -39,7 +39,7 @@ def _given(name: str, value: object) -> str:
 
 def layout_fit_error(model: ModelConfig, layout: Layout, workload: Workload, names: Names) -> str | None:
     """None when `layout` can train `model` on `workload`; else the first problem, naming the setting."""
-    error = seq_len_error(workload.seq_len, model.max_seq_len, names.seq_len, names.positions)
+    error = seq_len_error(workload.seq_len, model, names.seq_len, names.positions)
     return error or _rename(_shape_error(model, layout, workload), names) or _batch_error(layout, workload, names)
 
 

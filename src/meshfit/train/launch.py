@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfit.config import Config
+from meshfit.config.model_source import DEFAULT_PRESET, RUN_FIELDS
 from meshfit.data.fingerprint import data_identity
 from meshfit.train import checkpoint_store as store
 from meshfit.train import preflight
@@ -93,19 +94,28 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def model_name(preset: str, model: Any) -> str:
+def model_name(preset: str | None, model: Any, init_from: str | None = None) -> str:
     """The preset's name when `model` has its shape (a plan file spells every dimension out), else the
-    family of a custom shape; kernel, vocabulary padding and dropout do not change which model it is."""
+    family of a custom shape; kernel, vocabulary padding and dropout do not change which model it is.
+    `preset` None: the model of init_from's config.json (or the default preset)."""
     from meshfit.models.presets import PRESETS
 
     def shape_of(m: Any) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(m).items() if k not in ("attention", "pad_vocab_to", "dropout")}
+        return {k: v for k, v in dataclasses.asdict(m).items() if k not in RUN_FIELDS}
 
     names = [preset, *PRESETS]  # the config's own preset first
     same = next((name for name in names if name in PRESETS and shape_of(PRESETS[name]) == shape_of(model)), None)
     if same is not None:
         return same
-    return f"custom {model.family} (preset {preset} reshaped)"
+    if preset is None and init_from:
+        from meshfit.models.hf_weights import hf_model_type
+
+        try:
+            kind = hf_model_type(model)  # the Hugging Face family whose block it has
+        except ValueError:
+            kind = model.family
+        return f"{kind} of {init_from}"
+    return f"custom {model.family} (preset {preset or DEFAULT_PRESET} reshaped)"
 
 
 def tell_torchrun(message: str) -> None:
@@ -139,7 +149,7 @@ def banner(cfg: Config, shape: RunShape, run_dir: Path, world: int, start_step: 
     switches = [text for on, text in ((cfg.parallel.offload, "offloaded to host memory"),
                                       (cfg.train.compile, "compiled blocks"),
                                       (cfg.model.init_from, f"weights from {cfg.model.init_from}")) if on]
-    return (f"meshfit train: model {model_name(cfg.model.preset, model)}, {fmt_count(num_params(model))} params ({model.n_layers} "
+    return (f"meshfit train: model {model_name(cfg.model.preset, model, cfg.model.init_from)}, {fmt_count(num_params(model))} params ({model.n_layers} "
             f"layers, dim {model.dim}), layout {shape.dims.describe()}{stage}, {world} rank"
             f"{'s' if world > 1 else ''}, {precision}{''.join(', ' + text for text in switches)}; steps up to "
             f"{steps}{first} of {cfg.train.steps}, global batch {cfg.train.global_batch} × {cfg.train.seq_len} "

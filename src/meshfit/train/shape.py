@@ -221,7 +221,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     model = cfg.model.resolve()
-    if error := seq_len_error(cfg.train.seq_len, model.max_seq_len, "train.seq_len", "model.max_seq_len=…"):
+    if error := seq_len_error(cfg.train.seq_len, model, "train.seq_len", "model.max_seq_len=…"):
         raise ConfigError(error)
     _check_data(cfg, model.vocab_size)
     check_held_out(cfg)

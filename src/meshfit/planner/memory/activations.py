@@ -41,7 +41,7 @@ def value_bytes(mode: str) -> int:
 
 def block_weight_params(model: ModelConfig) -> int:
     """Matmul weights of one block (what tensor parallelism splits)."""
-    d, hd = model.dim, model.head_dim
+    d, hd = model.dim, model.head_size
     if model.family == "llama":
         return d * hd * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * d * model.ffn_hidden
     return 4 * d * d + 2 * d * model.ffn_hidden
@@ -57,7 +57,7 @@ def cp_keys_per_query(seq: int, cp: int) -> float:
 def gathered_kv_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1) -> float:
     """The whole sequence's keys and values one context-parallel rank gathers per block and micro-batch of
     ``batch`` ``seq``-long sequences: what the all-gather brings in, and what the kernel keeps for backward."""
-    return 2 * seq * batch * model.n_kv_heads * model.head_dim * value_bytes(mode) / tp
+    return 2 * seq * batch * model.n_kv_heads * model.head_size * value_bytes(mode) / tp
 
 
 def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1,
@@ -79,7 +79,7 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
         s=local, b=batch, h=model.dim, a=model.n_heads, t=tp, sp=sp, bytes_per_value=p,
         recompute="selective" if policy == "attention" else "none", dropout=gpt and dropout > 0,
         attention=attention, family=model.family, ffn=model.ffn_hidden / model.dim,
-        kv=model.n_kv_heads / model.n_heads, keys=keys)
+        kv=model.n_kv_heads / model.n_heads, keys=keys, q=model.q_width / model.dim, qk_norm=model.qk_norm)
     if gpt:
         total += tokens * 2 * 2 * p / seq_split  # two LayerNorms' mean and reciprocal deviation
     if policy == "none" and attention == "eager":
@@ -89,21 +89,21 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
     if cp > 1 and policy == "none":
         # The kernel keeps the gathered keys and values in place of the local ones; the fused kernel also
         # keeps each chunk's output, next to their concatenation (the output projection's input).
-        local_kv = tokens * 2 * model.n_kv_heads * model.head_dim * p / tp
-        outputs = tokens * model.dim * p / tp if attention == "flash" else 0.0
+        local_kv = tokens * 2 * model.n_kv_heads * model.head_size * p / tp
+        outputs = tokens * model.q_width * p / tp if attention == "flash" else 0.0
         total += gathered_kv_bytes(model, mode=mode, seq=seq, batch=batch, tp=tp) - local_kv + outputs
     return total
 
 
 def _op_kept_per_token(model: ModelConfig, p: int, keys: float, tp: int, sp: bool, attention: str) -> float:
-    h, heads = model.dim, model.n_heads
-    kv = model.n_kv_heads * model.head_dim
+    h, heads, q = model.dim, model.n_heads, model.q_width
+    kv = model.n_kv_heads * model.head_size
     kept = p * h / (tp if sp else 1)  # the block input
-    kept += p * (h + 2 * kv) / tp  # q, k, v projections
+    kept += p * (q + 2 * kv) / tp  # q, k, v projections (q/k norms, like every element-wise op, recompute)
     if attention == "eager":
-        kept += p * heads * keys / tp + p * h / tp  # QKᵀ scores (a row of keys each) and probabilities × V
+        kept += p * heads * keys / tp + p * q / tp  # QKᵀ scores (a row of keys each) and probabilities × V
     else:
-        kept += p * h / tp + 4 * heads / tp  # the fused kernel's output and log-sum-exp
+        kept += p * q / tp + 4 * heads / tp  # the fused kernel's output and log-sum-exp
     up = 2 if model.family == "llama" else 1  # SwiGLU's gate and up projections
     kept += p * up * model.ffn_hidden / tp
     # Output projection and MLP down projection: their matmul outputs (full-size partial sums under

@@ -170,7 +170,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     st = _states(layout, workload, n)
     params, optim, grads_full = st.params, st.optim, st.grads
     # RoPE's cos/sin tables (fp32, max_seq_len × head_dim each) live in every Llama stage module.
-    buckets = 2 * model.max_seq_len * model.head_dim * 4 * share.stages if model.family == "llama" else 0.0
+    buckets = 2 * model.max_seq_len * model.head_size * 4 * share.stages if model.family == "llama" else 0.0
     tokens = workload.seq_len // layout.cp * layout.micro_batch  # this rank's part of each sequence
     act_mb, recompute = layout_activations(model, layout, workload, share.layers, mode,
                                            share.rerun(layout.activation_checkpointing))

@@ -68,14 +68,17 @@ _CORE = "core"  # attention core (scores, softmax, its dropout): split by heads;
 
 def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, attention: str,
                    family: str = "gpt", ffn: Fraction = Fraction(4), kv: Fraction = Fraction(1),
-                   keys: Fraction | None = None) -> dict[str, tuple[Fraction, str]]:
+                   keys: Fraction | None = None, q: Fraction = Fraction(1),
+                   qk_norm: bool = False) -> dict[str, tuple[Fraction, str]]:
     """Bytes each tensor saved for backward takes in one layer before any splitting, and how it splits.
 
     Korthikanti et al. 2022, §4.1 (GPT), with p = bytes per value (their 2) and 1-byte dropout masks.
     The Llama block is counted by the same rule (each op keeps the inputs its backward needs, shared
     inputs once): RMSNorms keep their inputs, K and V are ``kv`` = kv_heads / heads wide, and SwiGLU keeps
     the gate and up projections' outputs, the SiLU output and their product (4 tensors ``ffn`` = f/h
-    wide, where GPT's GeLU MLP keeps 2 of width 4h); no dropout.
+    wide, where GPT's GeLU MLP keeps 2 of width 4h); no dropout. ``q``: the query width over h (heads ×
+    head_dim / h, 1 unless the head width is set apart from h / heads, as Qwen3 32B's); ``qk_norm``: the
+    per-head query and key norms (Qwen3) keep their inputs, the q and k projections' outputs.
     """
     sbh = Fraction(s * b * h)
     gpt = family == "gpt"
@@ -83,14 +86,17 @@ def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, a
         # Attention block, 11sbh + 5as²b for GPT at p = 2 (with its dropout mask and the core below).
         "ln1.input": (p * sbh, _SEQ),  # the norm keeps its input
         "attn.qkv_input": (p * sbh, _SEQ),  # Q, K and V projections share one input
-        "attn.q": (p * sbh, _TP),  # QKᵀ needs both operands
-        "attn.k": (p * sbh * kv, _TP),
-        "attn.v": (p * sbh * kv, _TP),  # the probabilities × V matmul needs V
-        "attn.proj_input": (p * sbh, _TP),  # output projection input (the attention context)
+        "attn.q": (p * sbh * q, _TP),  # QKᵀ needs both operands
+        "attn.k": (p * sbh * q * kv, _TP),
+        "attn.v": (p * sbh * q * kv, _TP),  # the probabilities × V matmul needs V
+        "attn.proj_input": (p * sbh * q, _TP),  # output projection input (the attention context)
         # MLP block, 19sbh for GPT at p = 2 (with its dropout mask).
         "ln2.input": (p * sbh, _SEQ),
         "mlp.fc1_input": (p * sbh, _SEQ),
     }
+    if qk_norm:
+        saved["attn.q_norm_input"] = (p * sbh * q, _TP)
+        saved["attn.k_norm_input"] = (p * sbh * q * kv, _TP)
     if gpt:
         saved["mlp.gelu_input"] = (ffn * p * sbh, _TP)  # 4h-wide first-linear output
         saved["mlp.fc2_input"] = (ffn * p * sbh, _TP)  # GeLU output
@@ -120,7 +126,8 @@ def _saved_tensors(s: int, b: int, h: int, a: int, p: Fraction, dropout: bool, a
 
 def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str,
                      bytes_per_value: float, dropout: bool, attention: str, family: str = "gpt",
-                     ffn: float = 4, kv: float = 1, keys: float | None = None) -> dict[str, Fraction]:
+                     ffn: float = 4, kv: float = 1, keys: float | None = None, q: float = 1,
+                     qk_norm: bool = False) -> dict[str, Fraction]:
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         _check_int(name, value, 1)
     if recompute not in RECOMPUTE:
@@ -140,7 +147,7 @@ def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute
         return {"layer_input": p * s * b * h / (t if sp else 1)}
     out = {}
     saved = _saved_tensors(s, b, h, a, p, dropout, attention, family, Fraction(ffn), Fraction(kv),
-                           None if keys is None else Fraction(keys))
+                           None if keys is None else Fraction(keys), Fraction(q), qk_norm)
     for name, (size, split) in saved.items():
         if split == _CORE and recompute == "selective":
             continue
@@ -151,7 +158,7 @@ def _validated_terms(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute
 def activation_terms_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
     bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",
-    ffn: float = 4, kv: float = 1, keys: float | None = None,
+    ffn: float = 4, kv: float = 1, keys: float | None = None, q: float = 1, qk_norm: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes of each tensor one GPT transformer layer keeps for its backward (one micro-batch).
 
@@ -161,7 +168,7 @@ def activation_terms_per_layer(
     layer's input. The values add up to :func:`activation_bytes_per_layer`.
     """
     terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention, family, ffn,
-                             kv, keys)
+                             kv, keys, q, qk_norm)
     return {name: float(value) for name, value in terms.items()}
 
 
@@ -170,7 +177,7 @@ def activation_terms_per_layer(
 def activation_bytes_per_layer(
     *, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
     bytes_per_value: float = 2, dropout: bool = True, attention: str = "eager", family: str = "gpt",
-    ffn: float = 4, kv: float = 1, keys: float | None = None,
+    ffn: float = 4, kv: float = 1, keys: float | None = None, q: float = 1, qk_norm: bool = False,
 ) -> float:
     """Per-rank activation bytes one GPT-style transformer layer keeps for backward (one micro-batch).
 
@@ -187,12 +194,12 @@ def activation_bytes_per_layer(
     masks and the dropout outputs, ``attention="flash"`` replaces the 5as²b attention core by a
     4asb-byte fp32 log-sum-exp. Embeddings, the final norm, the head and the loss are not included.
     ``family="llama"`` counts the Llama block by the same rule (see ``_saved_tensors``), with ``ffn`` =
-    ffn_hidden / h and ``kv`` = kv_heads / heads. ``keys``: the keys each query row scores (eager
+    ffn_hidden / h and ``kv`` = kv_heads / heads (``q`` and ``qk_norm``: see ``_saved_tensors``). ``keys``: the keys each query row scores (eager
     attention), on average, when they are not the ``s`` queries themselves (context parallelism: ``s`` is a
     rank's part of the sequence, ``keys`` the prefix of the gathered one its chunks see).
     """
     terms = _validated_terms(s, b, h, a, t, sp, recompute, bytes_per_value, dropout, attention, family, ffn,
-                             kv, keys)
+                             kv, keys, q, qk_norm)
     return float(sum(terms.values(), Fraction(0)))
 
 

@@ -128,7 +128,7 @@ def _model_terms(model: ModelConfig, seq_len: int) -> tuple[float, float, float,
     from meshfit.models.config import flops_per_token, num_params
 
     return (flops_per_token(model, seq_len), layer_flops(model, seq_len), head_flops(model),
-            4.0 * model.dim * seq_len, float(num_params(model)))
+            4.0 * model.q_width * seq_len, float(num_params(model)))
 
 
 def bottleneck_rank(n_layers: int, pp: int, virtual: int, v_shape: bool, layer_cost: float,

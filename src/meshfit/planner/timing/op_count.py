@@ -88,7 +88,8 @@ def count_ops(fn: Any) -> tuple[int, int]:
 def shrunk(model: ModelConfig, n_layers: int) -> ModelConfig:
     """``model``'s structure at small sizes (head dim 8, FFN 16, vocabulary 64)."""
     return dataclasses.replace(model, n_layers=n_layers, dim=8 * model.n_heads, ffn_hidden=16, vocab_size=64,
-                               max_seq_len=_SEQ)
+                               max_seq_len=_SEQ, head_dim=None if model.head_dim is None else 8,
+                               sliding_window=None if model.sliding_window is None else _SEQ)
 
 
 def counting_step(model: ModelConfig, n_layers: int, policy: str, device: str = "cpu"
