@@ -18,7 +18,8 @@ from meshfit.commands.main import main
 from meshfit.config import ConfigError, load_config
 from meshfit.models import ModelConfig, build_model, num_params
 from meshfit.models.hf import model_from_hf_config
-from meshfit.models.hf_weights import hf_model_type, load_hf, save_hf
+from meshfit.models.hf_read import load_hf
+from meshfit.models.hf_weights import hf_model_type, save_hf
 from meshfit.models.loss import lm_loss
 from meshfit.parallel.context_parallel import shard_sequence
 from meshfit.train.shape import resolve_run

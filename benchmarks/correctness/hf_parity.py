@@ -23,7 +23,7 @@ import transformers
 
 from meshfit.config import load_config
 from meshfit.models import build_model
-from meshfit.models.hf_weights import load_hf
+from meshfit.models.hf_read import load_hf
 
 BUCKETS = (0, 64, 512, 1024, 2048, 4096)
 

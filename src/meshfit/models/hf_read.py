@@ -76,3 +76,16 @@ class HFWeights:
 
     def full(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.read(name, (0,) * len(shape), tuple(shape), dtype)
+
+
+def load_hf(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of the model whole, in fp32, by plain name (one process: tests, conversions); a rank
+    reads its own part with ``HFWeights.local`` instead."""
+    from meshfit.models.build import build_model
+    from meshfit.models.hf_weights import check_hf
+    from meshfit.models.init import canonical_name
+
+    check_hf(path, cfg)
+    weights = HFWeights(path, cfg)
+    return {name: weights.full(canonical_name(name, cfg), tuple(param.shape))
+            for name, param in build_model(cfg, "meta").named_parameters(remove_duplicate=False)}
