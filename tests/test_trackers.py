@@ -59,14 +59,15 @@ def _expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_missing_package_is_one_error_line_before_the_ranks_start(tmp_path, capsys, monkeypatch):
-    for logger in ("wandb", "mlflow"):
+    installs = {"wandb": "pip install 'meshfit[wandb]'", "mlflow": "pip install 'meshfit[mlflow]'",
+                "tensorboard": "pip install tensorboard"}
+    for logger, install in installs.items():
         monkeypatch.setitem(sys.modules, logger, None)  # its import refused, as if not installed
         run = tmp_path / logger
         code = main(["train", *TINY, "--set", f"metrics.{logger}=true", "--run-dir", str(run)])
         assert code == 2
         assert capsys.readouterr().err.strip().splitlines() == [
-            f"error: metrics.{logger}=true needs the {logger} package: pip install 'meshfit[{logger}]' "
-            f"(or set metrics.{logger}=false)"]
+            f"error: metrics.{logger}=true needs the {logger} package: {install} (or set metrics.{logger}=false)"]
         assert not run.exists()  # refused before anything was written
 
 
