@@ -134,7 +134,12 @@ def test_wandb_offline_logs_each_step_and_a_resume_continues_its_run(tmp_path, t
     tracker_env.setenv("WANDB_MODE", "offline")
     tracker_env.setenv("WANDB_DIR", str(tmp_path / "wandb-files"))
     (tmp_path / "wandb-files").mkdir()
-    records, run_id = _train_then_resume(tmp_path / "wb", "wandb")
+    import wandb
+
+    try:
+        records, run_id = _train_then_resume(tmp_path / "wb", "wandb")
+    finally:
+        wandb.teardown()  # W&B's service process ends with its session, as when a rank exits
     launches = _wandb_records(tmp_path / "wandb-files")
     assert len(launches) == 2 and all(name.endswith(f"-{run_id}") for name, _ in launches)
     runs = [next(r["run"] for r in recs if r["type"] == "run") for _, recs in launches]
