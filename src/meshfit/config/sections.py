@@ -349,9 +349,17 @@ class CheckpointSection(_Section):
 class MetricsSection(_Section):
     """Where rank 0 reports each step besides metrics.jsonl."""
 
-    # Also write TensorBoard event files to RUN_DIR/tensorboard (needs `pip install tensorboard`; checked
-    # when training starts, not here, so a run's config.yaml still loads on a machine without it).
-    tensorboard: bool = False
+    # The packages are checked when training starts, not here, so a run's config.yaml still loads on a
+    # machine without them. Unset names fall back to the tracker's own environment variable, then to the
+    # default named beside them (as Hugging Face's Trainer reads WANDB_PROJECT and MLFLOW_TRACKING_URI).
+    tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
+    wandb: bool = False  # also log to a Weights & Biases run (pip install 'meshfit[wandb]')
+    wandb_project: str | None = Field(None, min_length=1)  # $WANDB_PROJECT, else "meshfit"
+    wandb_entity: str | None = Field(None, min_length=1)  # $WANDB_ENTITY, else the account's default
+    mlflow: bool = False  # also log to an MLflow run (pip install 'meshfit[mlflow]')
+    mlflow_tracking_uri: str | None = Field(None, min_length=1)  # $MLFLOW_TRACKING_URI, else RUN_DIR/mlruns
+    mlflow_experiment: str | None = Field(None, min_length=1)  # $MLFLOW_EXPERIMENT_NAME, else "meshfit"
+    run_name: str | None = Field(None, min_length=1)  # the W&B and MLflow run's name; default RUN_DIR's name
 
 
 class Config(_Section):

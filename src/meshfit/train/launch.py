@@ -28,6 +28,7 @@ from meshfit.data.fingerprint import data_identity
 from meshfit.train import checkpoint_store as store
 from meshfit.train import preflight
 from meshfit.train.shape import RunShape, resolve_run
+from meshfit.train.trackers import check_installed
 from meshfit.util.jsonfile import json_object_or_none
 from meshfit.util.lifeline import LAUNCHER_ENV, kill_children
 
@@ -259,6 +260,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, max_restarts: i
     run_dir = Path(run_dir)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (nproc or 1)
     shape = resolve_run(cfg, world)  # raises ConfigError before any rank starts
+    check_installed(cfg.metrics)  # on every rank of an outer torchrun: none waits for a rank 0 that failed
     resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from is not None
     # Rank 0 alone judges the run directory under an outer torchrun (another rank could see it half
     # cleared); a restart by torchrun (restart count > 0) continues the run it restarts, as a resume.

@@ -1,4 +1,5 @@
-"""Per-step metrics: the JSON-lines file, console progress, optional TensorBoard events, and the MFU estimate.
+"""Per-step metrics: the JSON-lines file, console progress, optional TensorBoard events and trackers (W&B,
+MLflow: trackers.py), and the MFU estimate.
 
 MFU = tokens_per_s × flops_per_token / (world_size × peak_flops_per_device), where flops_per_token is
 6 × (matmul parameters, including the output head) + 12 × n_layers × dim × seq_len (attention scores and
@@ -11,10 +12,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from meshfit.train.trackers import Tracker, missing_message
 from meshfit.util.units import fmt_bytes, fmt_duration
 
 
@@ -79,15 +82,15 @@ def open_tensorboard(log_dir: Path, start_step: int = 0) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise RuntimeError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard "
-                           "(or set metrics.tensorboard=false)") from None
+        raise RuntimeError(missing_message("tensorboard")) from None
     # TensorBoard hides earlier files' events from purge_step on: an attempt that died after logging
     # steps past its last checkpoint leaves them behind (from step 1 when it had none).
     return SummaryWriter(str(log_dir), purge_step=start_step + 1)
 
 
 def tensorboard_scalars(rec: dict[str, Any]) -> dict[str, float]:
-    """The scalars of one step record, by TensorBoard tag (mfu only where a peak FLOP/s was known)."""
+    """The scalars of one step record, by TensorBoard tag (mfu only where a peak FLOP/s was known); the
+    trackers (W&B, MLflow) log the same, under the same names."""
     scalars = {"train/loss": rec["loss"], "train/grad_norm": rec["grad_norm"], "train/lr": rec["lr"],
                "perf/tokens_per_s": rec["tokens_per_s"], "perf/step_time_s": rec["step_time_s"],
                "memory/peak_mem_bytes": rec["peak_mem_bytes"]}
@@ -140,12 +143,15 @@ class MetricsLog:
     """
 
     def __init__(self, path: Path | None, total_steps: int, log_every: int = 1, enabled: bool = True,
-                 start_step: int = 0, tensorboard: bool = False):
+                 start_step: int = 0, tensorboard: bool = False, trackers: Sequence[Tracker] = ()):
         """`start_step`: the step a resumed run continues from. Records of later steps (logged by an
         attempt that died before its next checkpoint) are dropped: those steps run again.
-        `tensorboard`: also write event files to `path`'s folder / tensorboard (metrics.tensorboard)."""
+        `tensorboard`: also write event files to `path`'s folder / tensorboard (metrics.tensorboard).
+        `trackers`: opened W&B / MLflow runs (trackers.open_trackers) that get each step's scalars; closed
+        with this log."""
         self.enabled = enabled
         self.log_every = log_every
+        self.trackers = list(trackers)
         # Opened first: a missing tensorboard package fails before metrics.jsonl is touched.
         self.writer = (open_tensorboard(path.parent / TENSORBOARD_DIR, start_step)
                        if (enabled and path and tensorboard) else None)
@@ -166,10 +172,13 @@ class MetricsLog:
         if self.file:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
+        scalars = tensorboard_scalars(rec) if (self.writer is not None or self.trackers) else {}
         if self.writer is not None:
-            for tag, value in tensorboard_scalars(rec).items():
+            for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, rec["step"], walltime=rec.get("time"))
             self.writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged
+        for tracker in self.trackers:
+            tracker.log(rec["step"], scalars, rec.get("time"))
         fields = [f"loss {rec['loss']:.4f}", f"gnorm {rec['grad_norm']:.3f}", f"lr {rec['lr']:.1e}",
                   f"{rec['tokens_per_s']:.0f} tok/s", f"peak {fmt_bytes(rec['peak_mem_bytes'])}"]
         if "val_loss" in rec:
@@ -190,10 +199,13 @@ class MetricsLog:
             return "?"
         return fmt_duration(max(0, self.total_steps - step) * sum(times) / len(times))
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """`ok`: the loop ended without an error (a tracker's run is marked finished, else failed)."""
         if self.progress is not None:
             self.progress.stop()
         if self.file:
             self.file.close()
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:  # last: the run's own files are closed whatever a tracker does
+            tracker.close(ok)

@@ -1,11 +1,11 @@
 """What a start may do to a run directory, decided before anything is written.
 
 A run directory holds one run: config.yaml, metrics.jsonl, result.json, checkpoints/ (and failures/,
-tensorboard/, warnings.log). A new run into a directory that holds another run's files is refused unless
-the user says `--resume` (continue it) or `--overwrite` (replace it); a resume is checked against the
-checkpoint it would load (every file against its SHA-256, then model and batch shape from its marker), so a
-refused start changes nothing on disk and the ranks load what was checked. Schedule keys changed at a
-resume are named here, once, before any rank starts.
+tensorboard/, wandb/, mlruns/, trackers.json, warnings.log). A new run into a directory that holds another
+run's files is refused unless the user says `--resume` (continue it) or `--overwrite` (replace it); a resume
+is checked against the checkpoint it would load (every file against its SHA-256, then model and batch shape
+from its marker), so a refused start changes nothing on disk and the ranks load what was checked. Schedule
+keys changed at a resume are named here, once, before any rank starts.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from meshfit.config import Config, ConfigError
 from meshfit.train import checkpoint_store as store
+from meshfit.train import trackers
 from meshfit.util import run_lock
 from meshfit.util.jsonfile import json_object_or_none
 
@@ -26,7 +27,7 @@ from meshfit.util.jsonfile import json_object_or_none
 RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "checkpoints")
 # Removed with them by --overwrite (reports, logs and plots of the replaced run).
 RUN_EXTRAS = ("failures", "tensorboard", "warnings.log", "config-step-*.yaml", "metrics-superseded-*.jsonl",
-              "show-*.png", "launch.log", ".result.json.tmp")
+              "show-*.png", "launch.log", ".result.json.tmp", *trackers.RUN_DIR_ENTRIES)
 # Keys whose change at a resume reshapes the learning-rate schedule.
 SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
 # Keys whose change at a resume the saved data position cannot follow.

@@ -33,6 +33,7 @@ from meshfit.train.guard import StepGuard
 from meshfit.train.metrics import MetricsLog
 from meshfit.train.pipelined import pipeline_step
 from meshfit.train.records import begin_run, compile_fields, step_record, summarize, write_result
+from meshfit.train.trackers import open_trackers
 from meshfit.train.run import Run, build_run
 from meshfit.util.units import fmt_bytes
 from meshfit.train.vote import Ballot, Vote
@@ -225,8 +226,12 @@ def train(cfg: Config, env: RankEnv, run_dir: Path | None) -> dict[str, Any]:
 def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, faults: Faults) -> None:
     cfg = run.cfg
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    # No tracker run for a launch with no step left to train (e.g. resumed at train.stop_after).
+    tracked = run.env.rank == 0 and run.run_dir is not None and run.step < end
     log = MetricsLog(run.run_dir / "metrics.jsonl" if run.run_dir else None, end, cfg.train.log_every,
-                     enabled=run.env.rank == 0, start_step=run.step, tensorboard=cfg.metrics.tensorboard)
+                     enabled=run.env.rank == 0, start_step=run.step, tensorboard=cfg.metrics.tensorboard,
+                     trackers=open_trackers(cfg, run.run_dir) if tracked else ())
+    ok = False
     try:
         while run.step < end and not guard.stop_requested:
             watchdog.arm(f"step {run.step + 1}")
@@ -247,5 +252,6 @@ def _loop(run: Run, ckpt: Checkpointer, guard: StepGuard, watchdog: Watchdog, fa
             ckpt.save(run, run.step)
         watchdog.arm("finishing the checkpoint save")
         ckpt.wait()
+        ok = True
     finally:
-        log.close()
+        log.close(ok)
