@@ -132,7 +132,7 @@ def test_checkpoints_newer_than_a_resumed_step_are_set_aside_not_deleted(tmp_pat
 def test_fault_specs() -> None:
     assert parse_faults("kill:rank=1:step=6; kill-in-save:step=2:delay=0.5") == [
         Fault("kill", 1, 6), Fault("kill-in-save", 0, 2, 0.5)]
-    with pytest.raises(FaultSpecError, match="unknown fault 'explode'; valid: kill, hang"):
+    with pytest.raises(FaultSpecError, match="unknown fault 'explode'; valid: kill, segfault, hang"):
         parse_faults("explode:step=1")
     with pytest.raises(FaultSpecError, match="needs step"):
         parse_faults("kill:rank=1")

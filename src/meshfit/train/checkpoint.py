@@ -271,12 +271,7 @@ class Checkpointer:
         if not same_world:
             # RNG states belong to ranks; under another world size they are re-seeded from the step.
             del state["rng"]
-        try:
-            checkpoint_reader.load(state, folder)  # allow-listed: nothing in a checkpoint runs
-        except checkpoint_reader.UnsafeCheckpoint:
-            raise
-        except Exception as exc:  # DCP wraps per-rank errors; name the checkpoint with the cause
-            raise CheckpointError(f"checkpoint {folder} cannot be loaded into this run: {_first_line(exc)}") from exc
+        _read(state, folder, "run")
         model_sd = {back.get(k, k): v for k, v in state["model"].items()}
         optim_sd = {back.get(k, k): v for k, v in state["optim"].items()}
         set_state_dict(run.model, run.optimizer, model_state_dict=model_sd,
@@ -297,6 +292,16 @@ class Checkpointer:
         return step
 
 
+def _read(state: dict[str, Any], folder: Path, into: str) -> None:
+    """DCP's load of `state` from `folder`, through the allow-list (nothing in a checkpoint runs)."""
+    try:
+        checkpoint_reader.load(state, folder)
+    except checkpoint_reader.UnsafeCheckpoint:
+        raise
+    except Exception as exc:  # DCP wraps per-rank errors; name the checkpoint with the cause
+        raise CheckpointError(f"checkpoint {folder} cannot be loaded into this {into}: {_first_line(exc)}") from exc
+
+
 def load_model_weights(run: Any, folder: Path) -> None:
     """The model weights of checkpoint `folder` into this rank's laid-out model, resharded from whatever
     layout saved them; nothing else of the run (optimizer, schedule, data position, RNG) is read or
@@ -304,12 +309,7 @@ def load_model_weights(run: Any, folder: Path) -> None:
     model_sd = get_model_state_dict(run.model)
     model_sd, back = _plain_names(model_sd) if run.pipe is not None else (model_sd, {})
     state = {"model": model_sd}
-    try:
-        checkpoint_reader.load(state, folder)  # allow-listed: nothing in a checkpoint runs
-    except checkpoint_reader.UnsafeCheckpoint:
-        raise
-    except Exception as exc:  # DCP wraps per-rank errors; name the checkpoint with the cause
-        raise CheckpointError(f"checkpoint {folder} cannot be loaded into this model: {_first_line(exc)}") from exc
+    _read(state, folder, "model")
     set_model_state_dict(run.model, {back.get(k, k): v for k, v in state["model"].items()})
 
 

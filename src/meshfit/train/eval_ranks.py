@@ -14,8 +14,6 @@ folder: nothing is written anywhere else, and no run directory or its lock is in
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 
 from meshfit.config import Config
 from meshfit.train.launch import Outcome, collect, launch_local, under_torchrun
-from meshfit.train.worker import INTERRUPTED, rank_main, warnings_to_log
+from meshfit.train.worker import INTERRUPTED, guarded_rank, rank_main
 
 JOB = "eval.json"
 
@@ -42,31 +40,19 @@ def evaluate_model(cfg: Config, env: Any, checkpoint: Path | None) -> dict[str, 
 
 def eval_rank(work: Path, cfg: Config, checkpoint: Path | None, quiet: bool = False) -> int:
     """Evaluate on this rank; returns the exit code. Errors go to work/failures, not raised."""
-    from meshfit.train.dist import init_distributed, teardown
-    from meshfit.train.faults import Watchdog, write_failure
-    from meshfit.train.worker import abandon_group
+    from meshfit.train.dist import init_distributed
+    from meshfit.train.faults import Watchdog
 
-    rank = int(os.environ.get("RANK", "0"))
-    with warnings_to_log(work, rank):
-        try:
-            env = init_distributed(cfg.train.device, cfg.train.timeout_s)
-            with Watchdog(cfg.train.timeout_s, env.rank, work) as watchdog:
-                watchdog.arm("the evaluation")
-                result = evaluate_model(cfg, env, checkpoint)
-            if env.rank == 0:
-                record = {**result, "status": "finished", "finished_at": time.time(), "world_size": env.world_size}
-                (work / "result.json").write_text(json.dumps(record))
-        except KeyboardInterrupt:
-            abandon_group()
-            return INTERRUPTED
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-            write_failure(work, rank, exc)
-            if not quiet:
-                print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
-            abandon_group()
-            return 1
-        teardown()
-    return 0
+    def body() -> None:
+        env = init_distributed(cfg.train.device, cfg.train.timeout_s)
+        with Watchdog(cfg.train.timeout_s, env.rank, work) as watchdog:
+            watchdog.arm("the evaluation")
+            result = evaluate_model(cfg, env, checkpoint)
+        if env.rank == 0:
+            record = {**result, "status": "finished", "finished_at": time.time(), "world_size": env.world_size}
+            (work / "result.json").write_text(json.dumps(record))
+
+    return guarded_rank(work, body, quiet)
 
 
 def run_eval(cfg: Config, checkpoint: Path | None, nproc: int | None) -> Outcome:

@@ -22,31 +22,42 @@ from meshfit.util.kept_warnings import KeptWarnings
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
-def run_worker(run_dir: Path, cfg: Any, quiet: bool = False) -> int:
-    """Train this rank; returns the exit code. Errors are reported in run_dir/failures, not raised."""
-    from meshfit.memory.host_heap import keep_freed_blocks
-    from meshfit.train.dist import init_distributed, teardown
+def guarded_rank(work_dir: Path, body: Callable[[], None], quiet: bool = False) -> int:
+    """Run this rank's `body` with its warnings kept in work_dir; returns the exit code. Errors are
+    reported in work_dir/failures for the launcher, not raised; the process group is torn down either way."""
+    from meshfit.train.dist import teardown
     from meshfit.train.faults import write_failure
-    from meshfit.train.trainer import train
 
-    rank = int(os.environ.get("RANK", 0))
-    with warnings_to_log(run_dir, rank):
+    rank = int(os.environ.get("RANK", "0"))
+    with warnings_to_log(work_dir, rank):
         try:
-            env = init_distributed(cfg.train.device, cfg.train.timeout_s)
-            if env.device.type == "cpu":  # tensors in the C heap: see memory/host_heap.py
-                keep_freed_blocks()
-            train(cfg, env, run_dir)
+            body()
         except KeyboardInterrupt:
             abandon_group()  # Ctrl-C before the stop request was in place: nothing began, nothing to save
             return INTERRUPTED
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-            write_failure(run_dir, rank, exc)
+            write_failure(work_dir, rank, exc)
             if not quiet:
                 print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
             abandon_group()
             return 1
         teardown()
     return 0
+
+
+def run_worker(run_dir: Path, cfg: Any, quiet: bool = False) -> int:
+    """Train this rank; returns the exit code. Errors are reported in run_dir/failures, not raised."""
+    from meshfit.memory.host_heap import keep_freed_blocks
+    from meshfit.train.dist import init_distributed
+    from meshfit.train.trainer import train
+
+    def body() -> None:
+        env = init_distributed(cfg.train.device, cfg.train.timeout_s)
+        if env.device.type == "cpu":  # tensors in the C heap: see memory/host_heap.py
+            keep_freed_blocks()
+        train(cfg, env, run_dir)
+
+    return guarded_rank(run_dir, body, quiet)
 
 
 def warnings_to_log(run_dir: Path, rank: int) -> KeptWarnings:
