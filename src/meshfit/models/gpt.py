@@ -80,7 +80,7 @@ class GPT(TiedHead):
     """
 
     position_rows: torch.Tensor | None = None
-    mask_builder: Callable[[torch.Tensor], Mask] | None = None
+    mask_builder: Callable[[torch.Tensor, torch.dtype], Mask] | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -111,7 +111,7 @@ class GPT(TiedHead):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self._embed(tokens, positions) if self.tok_embeddings is not None else tokens
         dropout = self.cfg.dropout if self.training else 0.0
-        mask = forward_mask(documents, self.mask_builder, self.cfg.attention, dropout)
+        mask = forward_mask(documents, self.mask_builder, self.cfg.attention, dropout, h.dtype)
         for layer in self.layers.values():
             h = layer(h) if mask is None else layer(h, mask=mask)
         if self.norm is not None:

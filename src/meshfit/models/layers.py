@@ -6,8 +6,8 @@
   query; grouped key/value heads are not repeated); "eager" materialises the scores as Megatron-LM's
   unfused path does (Korthikanti et al. 2022: softmax output, dropout mask and dropout output, 5·a·s²·b
   bytes per layer in 16 bits). A module of its own, so that recompute policies can wrap the core alone.
-  With ``mask`` (document masking, models/masks.py) the attention is block-causal: a boolean mask
-  ``[b, 1, queries, keys]`` (True: attend) goes to SDPA or the eager scores, a FlexAttention block mask to
+  With ``mask`` (document masking, models/masks.py) the attention is block-causal: an additive mask
+  ``[b, 1, queries, keys]`` goes to SDPA or is added to the eager scores, a FlexAttention block mask to
   FlexAttention.
 * ``Dropout``: torch's ``native_dropout``, which keeps a one-byte mask on every device (on CPU,
   ``F.dropout`` keeps a mask in the input's dtype).
@@ -73,10 +73,10 @@ class AttentionCore(nn.Module):
         scores = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
         if mask is None:
             future = torch.ones(seqlen, keys, dtype=torch.bool, device=q.device).triu(1 + keys - seqlen)
-            hidden = future.repeat(heads // groups, 1)
-        else:  # [b, 1, s, keys], rows of each group's heads stacked as the queries are
-            hidden = ~mask.repeat(1, 1, heads // groups, 1)
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+            scores = scores.masked_fill(future.repeat(heads // groups, 1), float("-inf"))
+        else:  # [b, 1, s, keys], added to each of a group's heads (stacked along the queries) by broadcast
+            scores = (scores.view(b, groups, heads // groups, seqlen, keys) + mask.unsqueeze(2)).flatten(2, 3)
+        probs = scores.softmax(dim=-1)
         if p > 0:
             probs = torch.native_dropout(probs, p, True)[0]
         return (probs @ v).view(b, heads, seqlen, head_dim)

@@ -159,7 +159,7 @@ class Llama(TiedHead):
     a layout that builds the mask itself (context parallelism).
     """
 
-    mask_builder: Callable[[torch.Tensor], Mask] | None = None
+    mask_builder: Callable[[torch.Tensor, torch.dtype], Mask] | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -175,7 +175,7 @@ class Llama(TiedHead):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = (self.rope.cos, self.rope.sin) if positions is None else self.rope.at(positions)
-        mask = forward_mask(documents, self.mask_builder, self.cfg.attention, 0.0)
+        mask = forward_mask(documents, self.mask_builder, self.cfg.attention, 0.0, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:

@@ -3,9 +3,10 @@
 A model given per-token document ids (``documents``, ``[b, s]`` integers, equal within a document) builds
 its mask once per forward and hands it to every block:
 
-* a boolean mask ``[b, 1, s, s]`` (True: attend), which torch's ``scaled_dot_product_attention`` and the
-  eager kernel take on every device: ``b·s²`` bytes, kept for backward (SDPA and the eager scores save
-  it) and shared by every block of the model;
+* an additive mask ``[b, 1, s, s]`` in the activations' dtype (0: attend, -inf: not), which torch's
+  ``scaled_dot_product_attention`` and the eager kernel take on every device: ``b·s²`` values, kept for
+  backward and shared by every block of the model. (A boolean mask would be a byte per pair, but SDPA
+  turns a boolean mask into a new additive one in every call, which each block would then keep.)
 * on CUDA with the fused ("flash") kernel, a FlexAttention ``BlockMask`` made by torch's
   ``create_block_mask`` from the same rule: it stores which 128×128 tiles are full, partial or empty
   (a few bytes per tile), and the compiled FlexAttention kernel skips the empty ones. FlexAttention has
@@ -22,6 +23,8 @@ from typing import Any, Union
 
 import torch
 
+from meshfit.models.mask_kernel import FLEX, mask_kernel
+
 try:  # torch ≥ 2.5
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as _flex_attention
@@ -29,7 +32,7 @@ except ImportError:  # pragma: no cover - older torch: the boolean mask everywhe
     BlockMask = None
     create_block_mask = _flex_attention = None
 
-Mask = Union[torch.Tensor, Any]  # a boolean [b, 1, queries, keys] tensor, or a FlexAttention BlockMask
+Mask = Union[torch.Tensor, Any]  # an additive [b, 1, queries, keys] tensor, or a FlexAttention BlockMask
 
 
 def same_document(q_docs: torch.Tensor, k_docs: torch.Tensor) -> torch.Tensor:
@@ -46,13 +49,19 @@ def block_causal(documents: torch.Tensor) -> torch.Tensor:
 
 def uses_flex(device: torch.device, kernel: str, dropout: float) -> bool:
     """Whether a document mask runs through FlexAttention: CUDA, the fused kernel, no attention dropout."""
-    return device.type == "cuda" and kernel == "flash" and dropout == 0 and create_block_mask is not None
+    return (mask_kernel(cuda=device.type == "cuda", attention=kernel, dropout=dropout) == FLEX
+            and create_block_mask is not None)
 
 
-def document_mask(documents: torch.Tensor, *, flex: bool) -> Mask:
-    """The mask every block of one forward shares (see the module's docstring)."""
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `allowed`, -inf elsewhere, in `dtype` (what SDPA adds to the scores)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def document_mask(documents: torch.Tensor, *, flex: bool, dtype: torch.dtype = torch.float32) -> Mask:
+    """The mask every block of one forward shares (see the module's docstring); `dtype`: the activations'."""
     if not flex:
-        return block_causal(documents)
+        return additive(block_causal(documents), dtype)
     b, s = documents.shape
 
     def mask_mod(batch, head, q_idx, kv_idx):
@@ -61,14 +70,16 @@ def document_mask(documents: torch.Tensor, *, flex: bool) -> Mask:
     return create_block_mask(mask_mod, b, None, s, s, device=documents.device)
 
 
-def forward_mask(documents: torch.Tensor | None, builder: Any, kernel: str, dropout: float) -> Mask | None:
+def forward_mask(documents: torch.Tensor | None, builder: Any, kernel: str, dropout: float,
+                 dtype: torch.dtype) -> Mask | None:
     """What a model's forward hands its blocks: None without documents; `builder`'s mask when a layout set
-    one (context parallelism); else `document_mask`. `dropout`: the attention dropout in effect."""
+    one (context parallelism); else `document_mask`. `dropout`: the attention dropout in effect; `dtype`:
+    the activations'."""
     if documents is None:
         return None
     if builder is not None:
-        return builder(documents)
-    return document_mask(documents, flex=uses_flex(documents.device, kernel, dropout))
+        return builder(documents, dtype)
+    return document_mask(documents, flex=uses_flex(documents.device, kernel, dropout), dtype=dtype)
 
 
 @functools.cache

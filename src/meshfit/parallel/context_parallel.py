@@ -18,8 +18,8 @@ tells the position tables (RoPE, learned positions) which global positions the l
 Packed documents (data.document_mask): the positions come with the tokens (split like them), and the
 model's block-causal mask is built here instead, once per forward: the document ids of the whole sequence
 are all-gathered (b·s integers), and the mask pairs the rank's queries with every key, a key visible when
-it is in the query's document and not after it in the sequence (b·s²/cp booleans, kept by every block's
-attention for backward, as one mask). Each chunk's attention takes its rows and its prefix of columns.
+it is in the query's document and not after it in the sequence (b·s²/cp values in the activations' dtype,
+kept by every block's attention for backward, as one mask). Each chunk's attention takes its rows and its prefix of columns.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfit.models.layers import AttentionCore
-from meshfit.models.masks import same_document
+from meshfit.models.masks import additive, same_document
 
 # torch ≥ 2.12 names it all_gather_single_autograd; 2.11 has only the older name.
 _all_gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
@@ -109,20 +109,20 @@ class ContextParallelAttention(nn.Module):
 
 
 class ContextParallelMask:
-    """A model's document mask under context parallelism (see the module's docstring): ``[b, 1, s/cp, s]``,
-    the rank's queries (its two chunks, in the order it holds them) by the sequence's keys in order."""
+    """A model's additive document mask under context parallelism (see the module's docstring):
+    ``[b, 1, s/cp, s]``, the rank's queries (its two chunks, in the order it holds them) by the sequence's keys in order."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.cp = mesh.size()
         self.rank = mesh.get_local_rank()
         self._group = mesh.get_group()
 
-    def __call__(self, documents: torch.Tensor) -> torch.Tensor:
+    def __call__(self, documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         gathered = _all_gather_ids(documents.movedim(1, 0).contiguous(), 0, self._group)
         keys = _global_order(fc.wait_tensor(gathered), self.cp).movedim(0, 1)  # [b, s]
         query_index = local_positions(documents.shape[1], self.cp, self.rank, documents.device)
         key_index = torch.arange(keys.shape[1], device=documents.device)
-        return same_document(documents, keys) & (key_index[None, :] <= query_index[:, None])
+        return additive(same_document(documents, keys) & (key_index[None, :] <= query_index[:, None]), dtype)
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, seq_len: int) -> None:

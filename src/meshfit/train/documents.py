@@ -2,8 +2,9 @@
 
 The id comes from the data itself where it is recorded: a folder `meshfit prepare` wrote (its metadata's
 ``tokenizer.eos_id``), or text read with a tokenizer folder (its ``tokenizer_config.json``). A raw token
-file (.npy, .bin) records none: ``data.eos_id`` names it. Data without documents closed by EOS (synthetic
-data, text read with the byte or BPE tokenizer, which join files without one) cannot be masked.
+file (.npy, .bin) records none: ``data.eos_id`` names it; so does it for synthetic data, whose documents
+then end wherever the chain emits that token (dry runs and tests). Text read with the byte or BPE tokenizer,
+which joins files without an EOS, cannot be masked.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ def document_eos(cfg: Config) -> int | None:
                               "leave data.eos_id unset")
         return None
     if data.source == "synthetic":
-        raise ConfigError("data.document_mask=true needs documents closed by an EOS token; data.source=synthetic "
-                          "has none (use data.source=tokens or text with a tokenizer folder)")
+        if data.eos_id is None:
+            raise ConfigError("data.document_mask=true needs documents closed by an EOS token; data.source=synthetic "
+                              "has none unless data.eos_id names a token of the chain to close them (or use "
+                              "data.source=tokens, or text with a tokenizer folder)")
+        return data.eos_id
     if data.eos_id is not None and data.source != "tokens":
-        raise ConfigError(f"data.eos_id applies to token files (data.source=tokens); with data.source={data.source} "
-                          "the EOS id is the tokenizer folder's (data.tokenizer)")
+        raise ConfigError(f"data.eos_id applies to token files (data.source=tokens) and synthetic data; with "
+                          f"data.source={data.source} the EOS id is the tokenizer folder's (data.tokenizer)")
     try:
         found = {path: _recorded_eos(cfg, path) for path in _paths(cfg)}
     except DataError as exc:
