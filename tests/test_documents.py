@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 import torch
 from dist_jobs import parity_config, train_job, train_layouts_job
+from tokenizer_fixture import make_tokenizer
 
+from meshfit.config import ConfigError, load_config
+from meshfit.dryrun.verify import verify_layout
+from meshfit.layout.layout import Layout, Workload
+from meshfit.planner.memory.estimate import estimate_memory
+from meshfit.train.shape import resolve_run
 from meshfit.data.boundaries import IGNORE, pack
+from meshfit.data.prepare import prepare
 from meshfit.models import build_model, get_preset, init_weights
 from meshfit.models.masks import block_causal
 from meshfit.util.ranks import run_ranks
@@ -113,3 +121,66 @@ def test_masked_loss_and_gradients_equal_one_process_under_dp_accumulation_cp_pp
                 assert _delta(run["grad_norms"], reference["grad_norms"]) <= 1e-5, (family, name)
                 val = [v["val_loss"] for v in run["val_losses"]]
                 assert _delta(val, [v["val_loss"] for v in reference["val_losses"]]) <= 1e-5, (family, name)
+
+
+# ---- settings ---------------------------------------------------------------------------------------
+
+
+def _resolve(*overrides: str):
+    return resolve_run(load_config(None, ["train.seq_len=64", *overrides]), 1)
+
+
+def test_the_eos_id_comes_from_the_data_or_data_eos_id_and_is_refused_where_unknown(tmp_path, documents_file):
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 20)
+    raw = ["data.source=tokens", f"data.path={documents_file}", "data.document_mask=true"]
+    assert _resolve(*raw, f"data.eos_id={EOS}").eos_id == EOS
+    assert _resolve(f"data.path={documents_file}", "data.source=tokens").eos_id is None
+    folder = make_tokenizer(tmp_path / "tok")  # 300 tokens: a model of 320
+    assert _resolve("data.source=text", f"data.path={text}", f"data.tokenizer={folder}", "model.vocab_size=320",
+                    "data.document_mask=true").eos_id == 1  # </s>
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the quick brown fox " * 8] * 12))
+    prepared = prepare([docs], folder, tmp_path / "prepared")
+    shards = ["data.source=tokens", f"data.path={tmp_path / 'prepared'}", "model.vocab_size=320",
+              "data.document_mask=true"]
+    assert _resolve(*shards).eos_id == 1 and prepared is not None
+    refusals = {
+        r"data\.eos_id=2, but .*meshfit-data\.json records EOS id 1": [*shards, "data.eos_id=2"],
+        r"data\.document_mask=true needs the EOS id .*a\.txt: data\.tokenizer=byte joins documents without an EOS":
+            ["data.source=text", f"data.path={text}", "data.document_mask=true"],
+        r"docs\.npy: it is a raw token file, which records no EOS id: give it as data\.eos_id": raw,
+        r"data\.source=synthetic has none unless data\.eos_id": ["data.document_mask=true"],
+        r"data\.eos_id=3 is used only by data\.document_mask=true": [f"data.eos_id={EOS}"],
+        r"data\.eos_id 300 is not a token of the model's vocabulary \(model\.vocab_size=256\)":
+            [*raw, "data.eos_id=300"],
+        r"data\.eos_id applies to token files": ["data.source=text", f"data.path={text}", f"data.tokenizer={folder}",
+                                                 "model.vocab_size=320", "data.document_mask=true", "data.eos_id=1"],
+    }
+    for message, overrides in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            _resolve(*overrides)
+
+
+def test_a_refused_document_mask_is_one_error_line_before_any_rank_starts(tmp_path, documents_file, capsys):
+    from meshfit.commands.main import main
+
+    code = main(["train", "--run-dir", str(tmp_path / "run"), "--set", "data.source=tokens", "--set",
+                 f"data.path={documents_file}", "--set", "data.document_mask=true"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert err.splitlines() == [err] and err.startswith("error: data.document_mask=true needs the EOS id"), err
+
+
+def test_planner_counts_the_mask_and_the_dry_run_measures_it():
+    model = get_preset("tiny")
+    workload = Workload(seq_len=256, global_batch=8, precision="fp32")
+    for layout in (Layout(dp_shard=2, zero_stage=3, micro_batch=2), Layout(cp=2, micro_batch=2)):
+        planned, measured = [], []
+        for mask in (False, True):
+            w = dataclasses.replace(workload, document_mask=mask)
+            planned.append(estimate_memory(model, layout, w, backend="gloo").total)
+            measured.append(verify_layout(model, layout, w).measured["total"])
+        # the dense mask: micro-batch × (s / cp) × s fp32 values, with RoPE's per-token angles and the ids
+        assert planned[1] - planned[0] >= 2 * 256 * 256 / layout.cp * 4
+        assert abs((measured[1] - measured[0]) - (planned[1] - planned[0])) <= 0.01 * (planned[1] - planned[0])
