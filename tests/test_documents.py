@@ -184,3 +184,19 @@ def test_planner_counts_the_mask_and_the_dry_run_measures_it():
         # the dense mask: micro-batch × (s / cp) × s fp32 values, with RoPE's per-token angles and the ids
         assert planned[1] - planned[0] >= 2 * 256 * 256 / layout.cp * 4
         assert abs((measured[1] - measured[0]) - (planned[1] - planned[0])) <= 0.01 * (planned[1] - planned[0])
+
+
+def test_flex_attention_block_mask_attends_as_the_dense_mask():
+    """The CUDA path's block mask, run forward on CPU (FlexAttention has no CPU backward)."""
+    import torch.nn.functional as F
+
+    from meshfit.models.masks import document_mask, flex_attention
+
+    docs = torch.tensor([[0] * 50 + [1] * 70 + [2] * 8, [0] * 128])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 128, 16, generator=gen) for heads in (4, 2, 2))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs, flex=False), enable_gqa=True)
+    flex = flex_attention(q, k, v, document_mask(docs, flex=True))
+    assert (flex - dense).abs().max().item() <= 1e-6
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert (flex[0, :, 50:] - causal[0, :, 50:]).abs().max().item() > 1e-3
