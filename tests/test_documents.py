@@ -12,14 +12,14 @@ from dist_jobs import parity_config, train_job, train_layouts_job
 from tokenizer_fixture import make_tokenizer
 
 from meshfit.config import ConfigError, load_config
-from meshfit.dryrun.verify import verify_layout
-from meshfit.layout.layout import Layout, Workload
-from meshfit.planner.memory.estimate import estimate_memory
-from meshfit.train.shape import resolve_run
 from meshfit.data.boundaries import IGNORE, pack
 from meshfit.data.prepare import prepare
+from meshfit.dryrun.verify import verify_layout
+from meshfit.layout.layout import Layout, Workload
 from meshfit.models import build_model, get_preset, init_weights
 from meshfit.models.masks import block_causal
+from meshfit.planner.memory.estimate import estimate_memory
+from meshfit.train.shape import resolve_run
 from meshfit.util.ranks import run_ranks
 
 EOS = 3

@@ -19,7 +19,7 @@ parallel/context_parallel.py.
 from __future__ import annotations
 
 import functools
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - older torch: the boolean mask everywhe
     BlockMask = None
     create_block_mask = _flex_attention = None
 
-Mask = Union[torch.Tensor, Any]  # an additive [b, 1, queries, keys] tensor, or a FlexAttention BlockMask
+Mask = Any  # an additive [b, 1, queries, keys] torch.Tensor, or a FlexAttention BlockMask
 
 
 def same_document(q_docs: torch.Tensor, k_docs: torch.Tensor) -> torch.Tensor:
