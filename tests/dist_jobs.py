@@ -202,3 +202,8 @@ def init_from_job(cfg_dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 blocks.append((canonical_name(raw, run.shape.model), offsets, local.detach().numpy().copy()))
         out[case] = {"bytes_read": run.init_from.bytes_read, "blocks": blocks}
     return out
+
+
+def train_layouts_job(cfg_dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """train_job for several layouts of the same world size, one after the other on these ranks."""
+    return {name: train_job(cfg) for name, cfg in cfg_dicts.items()}

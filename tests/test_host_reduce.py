@@ -41,8 +41,8 @@ def grads_job(cfg_dict, mode):
         run.host_reduce.finish = counted_finish
     inputs, targets = run.batches.next_batch()
     micro, n = run.shape.micro_batch, run.shape.accum_steps
-    for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro), strict=True)):
-        trainer._micro_step(run, x, y, sync=i == n - 1)
+    for i, part in enumerate(run.local_batch(inputs, targets).split(micro)):
+        trainer._micro_step(run, part, sync=i == n - 1, scale=None)
     # Returned by value (tensors would travel as shared memory of a process that has exited).
     grads = {name: p.grad.to_local().flatten().tolist() for name, p in run.model.named_parameters()}
     return grads, in_flight

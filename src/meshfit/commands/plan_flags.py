@@ -61,6 +61,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
     g.add_argument("--compile", action="store_true",
                    help="blocks under torch.compile (train.compile): their element-wise kernels fused" +
                         ("; not for verify, whose dry run runs the blocks eagerly" if single_layout else ""))
+    g.add_argument("--document-mask", action="store_true",
+                   help="packed documents kept apart (data.document_mask): counts each micro-batch's attention mask")
     g.add_argument("--activation-checkpointing", choices=AC_MODES, default=None,
                    help="fix the checkpointing mode (default: evaluate all)")
     g = parser.add_argument_group("output")
@@ -133,7 +135,7 @@ def resolve_workload(args: argparse.Namespace, model, world: int) -> Workload:
         batch = args.global_batch_tokens // seq
     workload = Workload(seq_len=seq, global_batch=batch or 4 * world, precision=args.precision,
                         optimizer=args.optimizer, attention=args.attention, dropout=args.dropout,
-                        compiled=args.compile)
+                        compiled=args.compile, document_mask=args.document_mask)
     workload.check()
     return workload
 

@@ -294,6 +294,11 @@ class DataSection(_Section):
     # tokenizer and token_dtype; or the last val_fraction of `path`'s tokens, then not trained on.
     val_path: str | None = None
     val_fraction: float = Field(0.0, ge=0, lt=1)
+    # Packed documents kept apart (data/boundaries.py): attention stays inside each document, positions
+    # restart at each, and the prediction across a boundary is not counted. Needs the data's EOS id: a
+    # prepared folder's or a tokenizer folder's, or `eos_id` for a raw token file.
+    document_mask: bool = False
+    eos_id: int | None = Field(None, ge=0)
 
     @field_validator("tokenizer")
     @classmethod

@@ -78,6 +78,8 @@ def verify_config(model: ModelConfig | str, layout: Layout, workload: Workload) 
     if resolved.family == "gpt":
         resolved = replace(resolved, dropout=workload.dropout)
     sections = plan_sections(resolved, workload, layout)
+    if workload.document_mask:  # synthetic documents: the chain's token 0 closes them
+        sections["data"]["eos_id"] = 0
     # A fixed figure: the MFU estimate is not used, and measuring the CPU would cost time.
     sections["train"].update(device="cpu", peak_flops=1e12)
     return load_config(None, sections=sections)

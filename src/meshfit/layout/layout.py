@@ -195,6 +195,8 @@ class Workload:
     attention: "eager" stores the attention scores; "flash" (fused SDPA) keeps only its output and a
     log-sum-exp. dropout: the model's dropout probability (GPT family; 0 = no masks kept). compiled: the
     blocks run under torch.compile (train.compile), which fuses their element-wise kernels (planner/timing/estimate.py).
+    document_mask: packed documents kept apart (data.document_mask): each micro-batch's attention mask is
+    kept for backward (models/mask_kernel.py).
     """
 
     seq_len: int
@@ -204,6 +206,7 @@ class Workload:
     attention: str = "flash"
     dropout: float = 0.0
     compiled: bool = False
+    document_mask: bool = False
 
     def check(self) -> None:
         for name in ("seq_len", "global_batch"):

@@ -6,6 +6,9 @@
   query; grouped key/value heads are not repeated); "eager" materialises the scores as Megatron-LM's
   unfused path does (Korthikanti et al. 2022: softmax output, dropout mask and dropout output, 5·a·s²·b
   bytes per layer in 16 bits). A module of its own, so that recompute policies can wrap the core alone.
+  With ``mask`` (document masking, models/masks.py) the attention is block-causal: an additive mask
+  ``[b, 1, queries, keys]`` goes to SDPA or is added to the eager scores, a FlexAttention block mask to
+  FlexAttention.
 * ``Dropout``: torch's ``native_dropout``, which keeps a one-byte mask on every device (on CPU,
   ``F.dropout`` keeps a mask in the input's dtype).
 * ``RMSNorm``: torch's RMSNorm, recomputed in backward from its input. Its eager form keeps an fp32 copy
@@ -23,6 +26,8 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
+
+from meshfit.models.masks import Mask, flex_attention
 
 
 @functools.lru_cache(maxsize=64)
@@ -47,14 +52,18 @@ class AttentionCore(nn.Module):
         self.dropout = dropout
         self.kernel = kernel
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         seqlen, keys = q.shape[2], k.shape[2]
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return flex_attention(q, k, v, mask)
         if self.kernel == "flash":
             # Fewer queries than keys: the mask's diagonal ends at the last key (torch's lower-right causal
             # bias, which the fused kernels run without materializing the mask).
-            mask = _lower_right(seqlen, keys, q.device) if keys != seqlen else None
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+            causal = mask is None
+            if causal and keys != seqlen:
+                mask, causal = _lower_right(seqlen, keys, q.device), False
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
                                                   enable_gqa=k.shape[1] != q.shape[1])
         # Grouped key/value heads without repeating them: the queries of one group are stacked along the
         # sequence, so both matmuls read (and keep) K and V at their own width.
@@ -62,8 +71,12 @@ class AttentionCore(nn.Module):
         groups = k.shape[1]
         q = q.reshape(b, groups, heads // groups * seqlen, head_dim)
         scores = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
-        future = torch.ones(seqlen, keys, dtype=torch.bool, device=q.device).triu(1 + keys - seqlen)
-        probs = scores.masked_fill(future.repeat(heads // groups, 1), float("-inf")).softmax(dim=-1)
+        if mask is None:
+            future = torch.ones(seqlen, keys, dtype=torch.bool, device=q.device).triu(1 + keys - seqlen)
+            scores = scores.masked_fill(future.repeat(heads // groups, 1), float("-inf"))
+        else:  # [b, 1, s, keys], added to each of a group's heads (stacked along the queries) by broadcast
+            scores = (scores.view(b, groups, heads // groups, seqlen, keys) + mask.unsqueeze(2)).flatten(2, 3)
+        probs = scores.softmax(dim=-1)
         if p > 0:
             probs = torch.native_dropout(probs, p, True)[0]
         return (probs @ v).view(b, heads, seqlen, head_dim)

@@ -8,12 +8,15 @@ to ``None`` and layers deleted from ``layers`` to form a pipeline stage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import ModelConfig
 from meshfit.models.layers import AttentionCore, RMSNorm
+from meshfit.models.masks import Mask, forward_mask
 from meshfit.models.rope import inverse_frequencies
 from meshfit.models.tying import TiedHead
 
@@ -52,6 +55,14 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[b, s, head_dim]`` of each token's own position (``[b, s]``, e.g. restarting at
+        every document), computed as the tables' rows are, so position p rotates alike either way."""
+        inv_freq = inverse_frequencies(self.cfg, positions.device)
+        angles = positions.to(torch.float32)[..., None] * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -59,12 +70,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[b, s, heads, head_dim]`` by the first ``s`` positions."""
+    """Rotate ``x`` of shape ``[b, s, heads, head_dim]`` by the first ``s`` positions (tables
+    ``[max_seq_len, head_dim]``), or by each token's own (``[b, s, head_dim]``, from `RotaryEmbedding.at`)."""
     seqlen = x.shape[1]
-    if seqlen > cos.shape[0]:
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [b, s, 1, head_dim]
+    elif seqlen > cos.shape[0]:
         raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}")
-    cos = cos[:seqlen].unsqueeze(1)  # [s, 1, head_dim], broadcast over heads
-    sin = sin[:seqlen].unsqueeze(1)
+    else:
+        cos = cos[:seqlen].unsqueeze(1)  # [s, 1, head_dim], broadcast over heads
+        sin = sin[:seqlen].unsqueeze(1)
     # fp32 rotation: bf16 angles lose precision at large positions.
     xf = x.float()
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
@@ -87,7 +102,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_size, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(0.0, cfg.attention)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask | None = None
+                ) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         bs, seqlen = q.shape[:2]
         # -1: local head counts, which tensor parallelism divides by its degree.
@@ -98,7 +114,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
-        out = self.core(q, k, v)
+        out = self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -123,8 +139,10 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask | None = None
+                ) -> torch.Tensor:
+        # The mask goes by keyword: layouts' input hooks (sequence parallelism) handle the positional inputs.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -134,7 +152,14 @@ class Llama(TiedHead):
     Pipeline stages: with ``tok_embeddings`` set to ``None`` the input is
     hidden states ``[b, s, dim]``; with ``norm``/``output`` set to ``None``
     hidden states are returned.
+
+    Packed documents: ``documents`` (``[b, s]`` document ids) makes attention block-causal
+    (models/masks.py) and ``positions`` (``[b, s]``) gives each token its RoPE position, both per token
+    of the input as given (a layout that splits the sequence splits them alike). ``mask_builder``: set by
+    a layout that builds the mask itself (context parallelism).
     """
+
+    mask_builder: Callable[[torch.Tensor, torch.dtype], Mask] | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -146,11 +171,13 @@ class Llama(TiedHead):
         self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         self.tie_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope.cos, self.rope.sin
+        cos, sin = (self.rope.cos, self.rope.sin) if positions is None else self.rope.at(positions)
+        mask = forward_mask(documents, self.mask_builder, self.cfg.attention, 0.0, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

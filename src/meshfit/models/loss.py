@@ -7,13 +7,19 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mean cross-entropy in fp32; logits of padded vocabulary rows (index ≥ vocab_size) are set to -inf
-    first, so they take no probability mass and get no gradient."""
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, scale: float | None = None
+            ) -> torch.Tensor:
+    """Cross-entropy in fp32, over the targets that are not ignored (-100, cross-entropy's ignore_index):
+    their mean, or with `scale` their sum times `scale` (a trainer averaging over the tokens of a whole
+    step passes 1 / that count, times what its gradient reduction divides by). Logits of padded
+    vocabulary rows (index ≥ vocab_size) are set to -inf first, so they take no probability mass and get
+    no gradient."""
     logits = logits.float()
     if logits.shape[-1] != vocab_size:
         logits = _mask_padding(logits, vocab_size)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    if scale is None:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") * scale
 
 
 def _mask_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

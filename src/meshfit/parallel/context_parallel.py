@@ -14,6 +14,12 @@ next to the rank's own s/cp-long activations; the planner counts them.
 
 The model stays unaware of all this: `apply_context_parallel` replaces each block's attention core and
 tells the position tables (RoPE, learned positions) which global positions the local tokens have.
+
+Packed documents (data.document_mask): the positions come with the tokens (split like them), and the
+model's block-causal mask is built here instead, once per forward: the document ids of the whole sequence
+are all-gathered (b·s integers), and the mask pairs the rank's queries with every key, a key visible when
+it is in the query's document and not after it in the sequence (b·s²/cp values in the activations' dtype,
+kept by every block's attention for backward, as one mask). Each chunk's attention takes its rows and its prefix of columns.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfit.models.layers import AttentionCore
+from meshfit.models.masks import additive, same_document
 
 # torch ≥ 2.12 names it all_gather_single_autograd; 2.11 has only the older name.
 _all_gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+_all_gather_ids = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor  # no gradient: document ids
 
 
 def cp_degree_error(cp: int, seq_len: int) -> str | None:
@@ -84,7 +92,8 @@ class ContextParallelAttention(nn.Module):
         self.rank = mesh.get_local_rank()
         self._group = mesh.get_group()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
         # The gather runs along dim 0 (the only dimension torch's autograd all-gather supports), so the
         # sequence is moved there first.
         keys, values = (_global_order(_all_gather(t.movedim(2, 0).contiguous(), 0, self._group), self.cp)
@@ -93,8 +102,27 @@ class ContextParallelAttention(nn.Module):
         outs = []
         for j, index in enumerate(chunk_order(self.cp, self.rank)):
             end = (index + 1) * chunk  # the chunk's queries are the last `chunk` positions of keys[:end]
-            outs.append(self.core(q[:, :, j * chunk:(j + 1) * chunk], keys[:, :, :end], values[:, :, :end]))
+            rows = slice(j * chunk, (j + 1) * chunk)
+            part = None if mask is None else mask[:, :, rows, :end]
+            outs.append(self.core(q[:, :, rows], keys[:, :, :end], values[:, :, :end], part))
         return torch.cat(outs, dim=2)
+
+
+class ContextParallelMask:
+    """A model's additive document mask under context parallelism (see the module's docstring):
+    ``[b, 1, s/cp, s]``, the rank's queries (its two chunks, in the order it holds them) by the sequence's keys in order."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.cp = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self._group = mesh.get_group()
+
+    def __call__(self, documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        gathered = _all_gather_ids(documents.movedim(1, 0).contiguous(), 0, self._group)
+        keys = _global_order(fc.wait_tensor(gathered), self.cp).movedim(0, 1)  # [b, s]
+        query_index = local_positions(documents.shape[1], self.cp, self.rank, documents.device)
+        key_index = torch.arange(keys.shape[1], device=documents.device)
+        return additive(same_document(documents, keys) & (key_index[None, :] <= query_index[:, None]), dtype)
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, seq_len: int) -> None:
@@ -103,6 +131,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, seq_len: int) -> 
     (on meta, after tensor parallelism, before recompute and sharding)."""
     for block in model.layers.values():
         block.attention.core = ContextParallelAttention(block.attention.core, mesh)
+    model.mask_builder = ContextParallelMask(mesh)
     rows = local_positions(seq_len // mesh.size(), mesh.size(), mesh.get_local_rank())
     for module in model.modules():
         if hasattr(module, "position_rows"):

@@ -203,6 +203,8 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
                  f"offload {d(t.offload_s)} + optimizer {d(t.optimizer_s)}; {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {t.mfu:.0%}")
     lines.append(_compile_line(plan, best))
+    if plan.workload.document_mask:
+        lines.append(_document_mask_line(plan, best))
     alternatives = [
         ("without CPU offload", _best(plan, lambda lay: not lay.offload)),
         ("without pipeline parallelism", _best(plan, lambda lay: lay.pp == 1)),
@@ -235,6 +237,20 @@ def _compile_line(plan: Plan, best: Candidate) -> str:
             f"step {d(eager.total_s)} → {d(compiled.total_s)} ({eager.total_s / compiled.total_s:.2f}× faster). "
             f"Assumed: the blocks' fused element-wise kernels move {COMPILED_ELEMENTWISE:.0%} of the eager bytes "
             "(counted, not measured on a GPU); matmuls, attention, communication and memory unchanged.")
+
+
+def _document_mask_line(plan: Plan, best: Candidate) -> str:
+    """Which kernel runs the recommended layout's document mask, and what the mask holds."""
+    from meshfit.models.mask_kernel import describe
+    from meshfit.planner.memory.activations import document_mask_bytes, document_mask_kernel
+
+    backend = "gloo" if is_cpu(plan.cluster.gpu) else "nccl"
+    kernel = document_mask_kernel(plan.workload, best.layout, backend)
+    mode = "fp32" if plan.workload.precision == "fp32" else "bf16"
+    held = document_mask_bytes(plan.model, plan.workload, best.layout, mode, backend)
+    return (f"  document mask (data.document_mask): {describe(kernel)}; {fmt_bytes(held)} per micro-batch and "
+            "stage with RoPE's per-token angles, kept for backward (counted in activations); attention time modelled as plain causal "
+            "attention (an upper bound: tiles across documents are skipped by FlexAttention only)")
 
 
 def explain(plan: Plan) -> str:

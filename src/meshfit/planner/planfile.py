@@ -102,4 +102,6 @@ def plan_sections(model: ModelConfig, workload: Workload, layout: Layout) -> dic
     sections["parallel"]["mixed_precision"] = workload.precision == "mixed"
     if workload.compiled:  # the planned step is the compiled one
         sections["train"]["compile"] = True
+    if workload.document_mask:  # the planned masks are the ones trained (the data must close documents by EOS)
+        sections["data"] = {"document_mask": True}
     return sections

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshfit.data.boundaries import Packed, counted
 from meshfit.layout.schedules import v_shaped
 from meshfit.models.loss import lm_loss
 from meshfit.train.pipelined import pipeline_step
@@ -55,10 +56,10 @@ def evaluate(run: Run) -> dict[str, Any]:
         with torch.no_grad():
             total = torch.zeros((), dtype=torch.float64, device=run.env.device)
             tokens = 0
-            for batch in run.held_out:
-                inputs, targets = run.local_tokens(*batch)
-                total += _loss_sum(run, inputs, targets)
-                tokens += targets.numel()
+            for inputs, targets in run.held_out:
+                batch = run.local_batch(inputs, targets)
+                total += _loss_sum(run, batch)
+                tokens += int(counted(batch.targets))
             holds_loss = run.pipe is None or run.pipe.last
             summed = torch.stack([total, torch.tensor(float(tokens if holds_loss else 0), dtype=torch.float64,
                                                       device=run.env.device)])
@@ -71,22 +72,25 @@ def evaluate(run: Run) -> dict[str, Any]:
     return {"val_loss": loss_sum / count, "val_time_s": time.perf_counter() - start}
 
 
-def _loss_sum(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ of this rank's per-token losses over one batch (fp64); zero on ranks without the last stage."""
+def _loss_sum(run: Run, batch: Packed) -> torch.Tensor:
+    """Σ of this rank's per-token losses over one batch (fp64), the targets a document mask ignores left
+    out; zero on ranks without the last stage."""
     device, use_lp = run.env.device, run.cfg.parallel.loss_parallel
     if run.pipe is not None:
         v_schedule = v_shaped(run.cfg.pipeline.schedule)
+        # Each micro-batch's summed loss times their number: the mean the schedule returns is their sum.
         with _forward_actions_only(run.pipe.schedule) if v_schedule else contextlib.nullcontext():
-            mean = pipeline_step(run.pipe, inputs, targets, device, use_lp, forward_only=True)
-        return mean.double() * targets.numel()  # equal micro-batches: their mean loss is the batch's
+            mean = pipeline_step(run.pipe, batch, device, use_lp, forward_only=True,
+                                 scale=float(run.shape.microbatches))
+        return mean.double()
     total = torch.zeros((), dtype=torch.float64, device=device)
-    micro = run.shape.micro_batch
     # Loss parallelism: cross-entropy on vocabulary-sharded logits, as in training.
     with loss_parallel() if use_lp else contextlib.nullcontext():
-        for x, y in zip(inputs.split(micro), targets.split(micro), strict=True):
-            loss = lm_loss(run.model(x.to(device)), y.to(device), run.shape.model.vocab_size)
+        for part in batch.split(run.shape.micro_batch):
+            logits = run.model(part.inputs.to(device), **part.model_kwargs(device))
+            loss = lm_loss(logits, part.targets.to(device), run.shape.model.vocab_size, scale=1.0)
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            total += loss.double() * y.numel()
+            total += loss.double()
     return total
 
 

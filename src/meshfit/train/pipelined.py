@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
+from meshfit.data.boundaries import Packed
 from meshfit.models import ModelConfig, build_model
 from meshfit.models.init import WeightSource
 from meshfit.models.loss import lm_loss
@@ -31,7 +31,20 @@ class Pipe:
     stage_ids: list[int]
     first: bool  # this rank runs stage 0 (it feeds the inputs)
     last: bool  # this rank runs the last stage (it computes the loss)
+    loss: StageLoss  # the schedule's loss function
     sends: SendWaits | None = None  # sends the schedule left to meshfit to wait for
+
+
+class StageLoss:
+    """The last stage's loss of one micro-batch: the mean (the schedule scales gradients by 1/micro-batches),
+    or the sum times `scale` when the step sets one (document masking: trainer.loss_scale)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.scale: float | None = None
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets, self.vocab_size, self.scale)
 
 
 def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: ModelConfig, device: torch.device,
@@ -53,21 +66,27 @@ def build_pipeline(cfg: Config, shape: RunShape, meshes: Meshes, model_cfg: Mode
                                    seq_len=cfg.train.seq_len))
     group = meshes.world["pp"].get_group()
     stages = [make_stage(m, sid, plan.n_stages, device, group) for m, sid in zip(modules, ids, strict=True)]
-    # The mean loss of one micro-batch (the schedule scales gradients by 1/micro-batches).
-    loss_fn = functools.partial(lm_loss, vocab_size=model_cfg.vocab_size)
+    loss_fn = StageLoss(model_cfg.vocab_size)
     schedule, sends = build_schedule(cfg.pipeline.schedule, stages, shape.microbatches, loss_fn)
-    return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids, sends)
+    return nn.ModuleList(modules), Pipe(schedule, ids, 0 in ids, last in ids, loss_fn, sends)
 
 
-def pipeline_step(pipe: Pipe, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
-                  use_loss_parallel: bool, forward_only: bool = False) -> torch.Tensor:
-    """Forward and backward of every micro-batch through the schedule; returns the mean loss on the last
-    stage, which alone computes it, and zero on the others (the step's vote averages the holders' losses).
+def pipeline_step(pipe: Pipe, batch: Packed, device: torch.device, use_loss_parallel: bool,
+                  forward_only: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Forward and backward of every micro-batch through the schedule; returns the mean of the micro-batch
+    losses on the last stage, which alone computes them, and zero on the others (the step's vote averages
+    the holders' losses). `scale`: see `StageLoss`.
+
+    Document ids and positions go to every stage (each builds its blocks' mask and positions from them),
+    as keyword inputs, which the schedule splits into micro-batches like the tokens.
 
     `forward_only` (evaluation): torch's own forward-only pass of the same schedule, `schedule.eval`."""
     losses: list[torch.Tensor] = []
-    args = (inputs.to(device),) if pipe.first else ()
-    kwargs = {"target": targets.to(device), "losses": losses} if pipe.last else {}
+    pipe.loss.scale = scale
+    args = (batch.inputs.to(device),) if pipe.first else ()
+    kwargs = batch.model_kwargs(device)
+    if pipe.last:
+        kwargs.update(target=batch.targets.to(device), losses=losses)
     if pipe.last and "return_outputs" in inspect.signature(pipe.schedule.step).parameters:
         # Only the losses are used: without this the last stage keeps every micro-batch's logits.
         kwargs["return_outputs"] = False

@@ -15,6 +15,7 @@ from torch import nn
 
 from meshfit.config import Config
 from meshfit.data import TokenBatches
+from meshfit.data.boundaries import Packed, pack
 from meshfit.data.heldout import HeldOut
 from meshfit.layout.data_parallel_kind import reduces_in_background
 from meshfit.memory.meter import MemoryMeter, rank_tracker
@@ -63,12 +64,15 @@ class Run:
     held_out: HeldOut | None = None  # validation batches (train.eval_every > 0)
     context: tuple[int, int] = (1, 0)  # (parallel.cp, this rank's index along it)
 
-    def local_tokens(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a batch's sequences: all of them, or under context parallelism its chunks."""
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> Packed:
+        """This rank's part of a batch's sequences (all of them, or under context parallelism its chunks),
+        with their document ids and positions under data.document_mask (read from the whole sequences,
+        then split alike)."""
+        batch = pack(inputs, targets, self.shape.eos_id)
         cp, rank = self.context
         if cp == 1:
-            return inputs, targets
-        return shard_sequence(inputs, cp, rank), shard_sequence(targets, cp, rank)
+            return batch
+        return batch.map(lambda t: shard_sequence(t, cp, rank))
 
 
 def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,

@@ -26,6 +26,7 @@ from meshfit.parallel.dims import ParallelDims, divisors
 from meshfit.parallel.pipeline_parallel import StagePlan, plan_stages
 from meshfit.parallel.tensor_parallel import tp_degree_error
 from meshfit.train.data_mix import check_mixture
+from meshfit.train.documents import document_eos
 from meshfit.train.held_out import check_held_out
 
 
@@ -40,6 +41,7 @@ class RunShape:
     model: ModelConfig  # the model as built: with its vocabulary padded for tensor parallelism
     stages: StagePlan | None = None  # pipeline stages (pp > 1)
     microbatches: int = 1  # pipeline micro-batches per optimizer step
+    eos_id: int | None = None  # data.document_mask: the EOS id that closes each document; None: no mask
 
 
 def _pipeline(cfg: Config, dims: ParallelDims, model: ModelConfig, local_batch: int) -> tuple[StagePlan, int]:
@@ -245,4 +247,14 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         local, micro, accum = _batch_shape(cfg, dims, cfg.train.micro_batch)
     mixed = cfg.parallel.mixed_precision or cfg.train.precision == "bf16"
     return RunShape(dims=dims, local_batch=local, micro_batch=micro, accum_steps=accum, zero_stage=stage,
-                    mixed_precision=mixed, model=model, stages=stages, microbatches=microbatches)
+                    mixed_precision=mixed, model=model, stages=stages, microbatches=microbatches,
+                    eos_id=_eos(cfg, model.vocab_size))
+
+
+def _eos(cfg: Config, vocab_size: int) -> int | None:
+    eos = document_eos(cfg)
+    if eos is not None and eos >= vocab_size:
+        field = "data.eos_id" if cfg.data.eos_id is not None else "the data's EOS id"
+        raise ConfigError(f"{field} {eos} is not a token of the model's vocabulary (model.vocab_size={vocab_size}); "
+                          "give the id the data's documents end with")
+    return eos

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
+from meshfit.data.boundaries import Packed, counted
 from meshfit.layout.data_parallel_kind import data_parallel_kind
 from meshfit.models.loss import lm_loss
 from meshfit.parallel.compile import compile_seconds, eager_blocks
@@ -39,8 +41,9 @@ from meshfit.util.units import fmt_bytes
 from meshfit.train.vote import Ballot, Vote
 
 
-def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns its mean loss (detached)."""
+def _micro_step(run: Run, batch: Packed, sync: bool, scale: float | None) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its loss (detached): the mean, or with `scale`
+    (document masking) the sum times `scale` (see `loss_scale`)."""
     no_sync = getattr(run.model, "no_sync", None)
     ctx = contextlib.nullcontext() if (sync or no_sync is None) else no_sync()
     set_micro_batch(run.model, run.shape.zero_stage, last=sync)
@@ -51,7 +54,7 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
         run.host_reduce.begin(enabled=run.stash is None or sync)
     try:
         with ctx:
-            loss = _forward_backward(run, inputs, targets)
+            loss = _forward_backward(run, batch, scale)
     except BaseException:
         if run.host_reduce is not None:
             run.host_reduce.abandon()  # no gradient of an earlier micro-batch stays hidden
@@ -66,16 +69,38 @@ def _micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, sync: boo
     return loss.detach()
 
 
-def _forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _forward_backward(run: Run, batch: Packed, scale: float | None) -> torch.Tensor:
     run.tracker.reset_mod_stats()  # MemTracker counts one root forward per reset
     run.tracker.phase = "forward"
+    device = run.env.device
     # Loss parallelism: cross-entropy on vocabulary-sharded logits, in forward and backward.
     with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
-        logits = run.model(inputs.to(run.env.device))
-        loss = lm_loss(logits, targets.to(run.env.device), run.shape.model.vocab_size)
+        logits = run.model(batch.inputs.to(device), **batch.model_kwargs(device))
+        loss = lm_loss(logits, batch.targets.to(device), run.shape.model.vocab_size, scale)
         run.tracker.phase = "backward"
         (loss / run.shape.accum_steps).backward()
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def loss_scale(run: Run, targets: torch.Tensor, read: bool) -> float | None:
+    """Under data.document_mask, what each micro-batch's summed loss is multiplied by, so that the step's
+    loss and gradients are the sum of every counted target's loss over the global batch divided by their
+    global count (what one process computes on the whole batch), however the targets fall on ranks and
+    micro-batches: count · (data-parallel replicas, whose gradients are averaged) · (micro-batches, whose
+    losses the step averages) / global count. One all-reduce of the rank's count over the replicas.
+    None without the mask: each micro-batch's mean, as every micro-batch then counts alike.
+
+    `read` false (a dry run, on fake tensors): no count can be read; the scale of a batch without
+    boundaries stands in."""
+    if run.shape.eos_id is None:
+        return None
+    group = run.meshes.dp_cp
+    steps = run.shape.microbatches if run.pipe is not None else run.shape.accum_steps
+    if not read:
+        return steps / targets.numel()
+    count = counted(targets).to(run.env.device, torch.float64)
+    dist.all_reduce(count, group=group.get_group())
+    return group.size() * steps / max(float(count), 1.0)
 
 
 def _kind(run: Run) -> str:
@@ -147,7 +172,8 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     runs) does with the vote before the optimizer step (guard.py).
     """
     micro = run.shape.micro_batch
-    inputs, targets = run.local_tokens(inputs, targets)
+    batch = run.local_batch(inputs, targets)
+    scale = loss_scale(run, batch.targets, read or guard is not None)
     tracking = run.meter is None or run.meter.tracking()
     try:
         # The per-operator tracker is a TorchDispatchMode, under which torch.compile cannot run: its steps
@@ -157,12 +183,10 @@ def measured_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
             if run.pipe is not None:
                 run.tracker.reset_mod_stats()
                 run.tracker.phase = "pipeline forward/backward"
-                losses = [pipeline_step(run.pipe, inputs, targets, run.env.device, run.cfg.parallel.loss_parallel)]
+                losses = [pipeline_step(run.pipe, batch, run.env.device, run.cfg.parallel.loss_parallel, scale=scale)]
             else:
-                losses = [
-                    _micro_step(run, x, y, sync=(i == run.shape.accum_steps - 1))
-                    for i, (x, y) in enumerate(zip(inputs.split(micro), targets.split(micro), strict=True))
-                ]
+                losses = [_micro_step(run, part, sync=(i == run.shape.accum_steps - 1), scale=scale)
+                          for i, part in enumerate(batch.split(micro))]
             if guard is not None:
                 losses = guard.after_backward(losses)
             grad_norm, vote = _optimizer_step(run, losses, guard, tracking, read or guard is not None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from meshfit.layout.layout import Layout, Workload
 from meshfit.layout.recompute import rerun_blocks
 from meshfit.models.config import ModelConfig
+from meshfit.models.mask_kernel import mask_bytes, mask_kernel
 from meshfit.planner.memory.formulas import activation_bytes_per_layer
 
 MODES = ("fp32", "bf16")
@@ -169,3 +170,24 @@ def layout_activations(model: ModelConfig, layout: Layout, workload: Workload, l
     # "selective" checkpoints every parallel.ac_every-th block of each stage (its default assumed).
     checkpointed = rerun_blocks((layers,), ac) if rerun is None else rerun
     return checkpointed * kept + (layers - checkpointed) * full, full * 1.45 if checkpointed else 0.0
+
+
+def document_mask_bytes(model: ModelConfig, workload: Workload, layout: Layout, mode: str,
+                        backend: str = "nccl") -> float:
+    """What data.document_mask keeps for backward per micro-batch on one rank and stage (0 without it): the
+    mask (models/mask_kernel.py; "gloo": CPU ranks, which run the dense mask), the document ids and
+    positions of the rank's whole batch (int64, made once per step and split into micro-batches) and, for RoPE, the cos and sin of each token's own position (fp32, [b, s/cp,
+    head_dim] each) in place of the shared tables' rows."""
+    if not workload.document_mask:
+        return 0.0
+    kernel = document_mask_kernel(workload, layout, backend)
+    mask = mask_bytes(kernel, seq=workload.seq_len, batch=layout.micro_batch, cp=layout.cp,
+                      value_bytes=value_bytes(mode))
+    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    batch_tokens = workload.global_batch // layout.dp * workload.seq_len / layout.cp
+    return mask + 2 * batch_tokens * 8 + (2 * tokens * model.head_size * 4 if model.family == "llama" else 0.0)
+
+
+def document_mask_kernel(workload: Workload, layout: Layout, backend: str = "nccl") -> str:
+    """The kernel that runs the document mask (models/mask_kernel.py)."""
+    return mask_kernel(cuda=backend != "gloo", attention=workload.attention, dropout=workload.dropout, cp=layout.cp)

@@ -24,7 +24,7 @@ from meshfit.layout.data_parallel_kind import data_parallel_kind, reduces_in_bac
 from meshfit.layout.layout import Layout, Workload
 from meshfit.layout.precision import STORAGE_BYTES, state_bytes
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
-from meshfit.planner.memory.activations import embedding_bytes, head_bytes, layout_activations
+from meshfit.planner.memory.activations import document_mask_bytes, embedding_bytes, head_bytes, layout_activations
 from meshfit.planner.memory.formulas import pipeline_in_flight_microbatches
 from meshfit.planner.memory.phase_terms import (
     RootReduce,
@@ -177,6 +177,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     # One micro-batch's saved tensors on this rank: its blocks' and, on the first stage, the embedding's.
     saved_mb = act_mb + (embedding_bytes(model, seq=workload.seq_len, batch=layout.micro_batch,
                                          dropout=workload.dropout, cp=layout.cp) if share.first else 0.0)
+    # A document mask: one per micro-batch and stage, kept for backward by every block's attention.
+    saved_mb += document_mask_bytes(model, workload, layout, mode, backend) * share.stages
     block_temps = BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
     local = workload.global_batch // layout.dp
     micro = max(1, local // layout.micro_batch)
