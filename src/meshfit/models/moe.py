@@ -196,12 +196,14 @@ class MoE(nn.Module):
         out = self.dispatcher.combine(self.experts(routed.tokens, routed.counts), routed, flat.shape[0])
         if self.shared is not None:
             out = out + self.shared(flat)
-        if self.training and torch.is_grad_enabled() and not _in_backward():
-            self._account(scores, routed)
+        if self.training and torch.is_grad_enabled():
+            # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.
+            aux = load_balancing_loss(scores, routed.demand) * self.aux_coeff if self.aux_coeff > 0 else None
+            if not _in_backward():
+                self._account(aux, scores, routed)
         return out.view_as(x)
 
-    def _account(self, scores: torch.Tensor, routed: Routed) -> None:
-        aux = load_balancing_loss(scores, routed.demand) * self.aux_coeff if self.aux_coeff > 0 else None
+    def _account(self, aux: torch.Tensor | None, scores: torch.Tensor, routed: Routed) -> None:
         self.aux_loss = aux if self.aux_loss is None or aux is None else self.aux_loss + aux
         with torch.no_grad():
             step = {"tokens": routed.demand.float(), "dropped": routed.dropped.float(),
