@@ -90,11 +90,13 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = self.w1.to(x.dtype), self.w2.to(x.dtype), self.w3.to(x.dtype)
         if self._grouped(x, w1, w2, w3):
             offsets = counts.cumsum(0).to(torch.int32)
+            # Rows past the groups (dropped copies) come out of the kernel undefined, in forward and in the
+            # input's gradient: masked on both sides (a mask, not a product: they may hold NaN).
+            rows = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1)
+            x = torch.where(rows, x, 0.0)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-            out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
-            rows = torch.arange(x.shape[0], device=x.device) < offsets[-1]
-            return torch.where(rows.unsqueeze(-1), out, 0.0)  # past the groups: undefined values
+            return torch.where(rows, torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets), 0.0)
         return self._loop(x, counts, w1, w2, w3)
 
     def _grouped(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
