@@ -189,7 +189,7 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
         model = _gpt2(fields)
     else:
         raise ValueError(f"{path}: model_type {kind!r} is not supported; supported: "
-                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama-, Mistral-, Qwen- and GPT-2-style decoders)")
+                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama-, Mistral-, Mixtral-, Qwen- and GPT-2-style decoders)")
     try:
         model.validate()
     except (TypeError, ValueError) as exc:

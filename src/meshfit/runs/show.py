@@ -369,7 +369,7 @@ def write_plots(runs: list[RunView], out: Path) -> list[tuple[Path, Path]]:
     ]
     if show_moe.has_moe(with_steps):  # Mixture-of-Experts runs: expert load per layer
         wanted.append(out / "show-experts.png")
-        written.append(show_moe.plot_moe_load(with_steps, _free_path(wanted[-1])))
+        written.append(show_moe.plot_moe_load(with_steps, _free_path(wanted[-1]), _save))
     return list(zip(written, wanted))
 
 

@@ -7,10 +7,12 @@ token copies. The table gives each run's last step; the plot one line per layer 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from rich.table import Table
 
 MOE_KEY = "moe_load"
@@ -36,10 +38,9 @@ def moe_table(runs: list[Any]) -> Table:
     return table
 
 
-def plot_moe_load(runs: list[Any], path: Path) -> Path:
-    """Load (max / mean tokens per expert) of every layer over the steps, one panel per run."""
-    from meshfit.runs.show import _save, step_axis
-
+def plot_moe_load(runs: list[Any], path: Path, save: Callable[[Figure, Path], Path]) -> Path:
+    """Load (max / mean tokens per expert) of every layer over the steps, one panel per run; `save` writes
+    the figure as `meshfit show` writes its plots."""
     moe_runs = [run for run in runs if any(MOE_KEY in r for r in run.records)]
     fig = Figure(figsize=(8, 3.6 * len(moe_runs)))
     for i, run in enumerate(moe_runs):
@@ -51,8 +52,8 @@ def plot_moe_load(runs: list[Any], path: Path) -> Path:
                     color=f"C{j % 10}", linestyle=("-", "--", ":", "-.")[j // 10 % 4])
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=f"{run.label}: expert load per layer", xlabel="step", ylabel="max / mean tokens")
-        step_axis(ax)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if len(layers) <= 20:
             ax.legend(fontsize=7, ncol=4)
-    return _save(fig, path)
+    return save(fig, path)
