@@ -11,7 +11,13 @@ from torch.utils.checkpoint import checkpoint
 
 from meshfit.commands.main import main
 from meshfit.config import ConfigError, load_config
-from meshfit.models import build_model, flops_per_token, get_preset, init_weights, num_params
+from meshfit.models import (
+    build_model,
+    flops_per_token,
+    get_preset,
+    init_weights,
+    num_params,
+)
 from meshfit.models.config import num_active_params
 from meshfit.models.moe import MoE
 from meshfit.models.moe_stats import end_step, take_aux_loss

@@ -9,7 +9,6 @@ to ``None`` and layers deleted from ``layers`` to form a pipeline stage.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import ModelConfig

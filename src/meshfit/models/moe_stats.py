@@ -14,10 +14,9 @@ Two hooks, both layout-agnostic (the caller brings the reduction over ranks):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import re
 
 import torch
 from torch import nn
