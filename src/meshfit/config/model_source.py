@@ -12,7 +12,8 @@ from meshfit.config.files import ConfigError
 DEFAULT_PRESET = "tiny"
 # Fields that say how the model runs or trains, not which function its weights compute: they may differ
 # from an init_from folder's config.json.
-RUN_FIELDS = ("attention", "pad_vocab_to", "dropout")
+RUN_FIELDS = ("attention", "pad_vocab_to", "dropout", "moe_capacity_factor", "moe_aux_loss_coeff",
+              "moe_bias_update_rate")
 
 
 def resolve_model(section: Any) -> Any:  # ModelSection -> ModelConfig

@@ -86,6 +86,20 @@ class ModelSection(_Section):
     rope_high_freq_factor: float | None = None
     rope_original_max_seq_len: int | None = None
     sliding_window: int | None = None
+    qk_norm_scope: str | None = None  # "head" (Qwen3) or "projection" (OLMoE)
+    # Mixture of Experts (models/config.py, models/moe.py): set moe_experts to make every block after the
+    # first moe_dense_layers a Mixture-of-Experts block; checked by ModelConfig.validate.
+    moe_experts: int | None = None
+    moe_top_k: int | None = None
+    moe_ffn_hidden: int | None = None
+    moe_shared_experts: int | None = None
+    moe_dense_layers: int | None = None
+    moe_score: str | None = None
+    moe_norm_topk: bool | None = None
+    moe_route_scale: float | None = None
+    moe_capacity_factor: float | None = None
+    moe_aux_loss_coeff: float | None = None
+    moe_bias_update_rate: float | None = None
     # Start from these weights instead of random ones: a Hugging Face model folder (config.json +
     # safetensors, as `meshfit export` writes), whose config.json is then the model; or one safetensors
     # file of the model above.

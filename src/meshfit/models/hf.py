@@ -1,4 +1,5 @@
-"""Model shapes from a Hugging Face ``config.json``: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3 (dense), GPT-2.
+"""Model shapes from a Hugging Face ``config.json``: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, GPT-2, and the
+Mixture-of-Experts Mixtral and Qwen3-MoE.
 
 The folder is the model: every field of the file that changes the function its weights compute is read
 into the ModelConfig (head_dim, Qwen2's q/k/v biases, Qwen3's q/k norms, RoPE's theta and scaling,
@@ -17,7 +18,7 @@ from meshfit.models.config import ModelConfig
 from meshfit.util.jsonfile import read_json_object
 
 # model_type values whose block is meshfit's Llama block (RMSNorm, RoPE, SwiGLU, GQA) with their variants.
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 GPT_TYPES = ("gpt2",)
 CONFIG_FILE = "config.json"
 
@@ -28,6 +29,9 @@ _FIXED: dict[str, dict[str, tuple[Any, ...]]] = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {"attention_bias": (None, False)},
+    "mixtral": {"router_jitter_noise": (None, 0, 0.0)},
+    "qwen3_moe": {"attention_bias": (None, False), "decoder_sparse_step": (None, 1),
+                  "shared_expert_intermediate_size": (None, 0)},
     "gpt2": {"activation_function": (None, "gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (None, True),
              "scale_attn_by_inverse_layer_idx": (None, False), "add_cross_attention": (None, False)},
 }
@@ -101,9 +105,9 @@ def _rope(f: _Fields) -> dict[str, Any]:
 
 def _window(f: _Fields, kind: str, n_layers: int) -> int | None:
     """The attention window some layer slides, or None where every layer attends to the whole prefix."""
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         return f.cfg.get("sliding_window")
-    if kind not in ("qwen2", "qwen3"):
+    if kind not in ("qwen2", "qwen3", "qwen3_moe"):
         return None
     layer_types = f.cfg.get("layer_types")
     if isinstance(layer_types, list):  # transformers 5 spells out each layer's kind
@@ -121,6 +125,26 @@ def _head_dim(f: _Fields, kind: str, dim: int, heads: int) -> int | None:
     return head_dim
 
 
+def _moe(f: _Fields, kind: str) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of a Mixtral or Qwen3-MoE config.json (transformers' defaults where a
+    field is absent); {} for the dense families."""
+    if kind == "mixtral":  # every layer sparse; softmax top-k renormalised (MixtralTopKRouter)
+        return {"moe_experts": f.get("num_local_experts", 8), "moe_top_k": f.get("num_experts_per_tok", 2),
+                "moe_ffn_hidden": f.need("intermediate_size"),
+                "moe_aux_loss_coeff": float(f.get("router_aux_loss_coef", 0.001))}
+    if kind != "qwen3_moe":
+        return {}
+    # mlp_only_layers keep the dense MLP (intermediate_size): meshfit models the first n layers dense.
+    dense = f.get("mlp_only_layers", [])
+    if not isinstance(dense, list) or dense != list(range(len(dense))):
+        raise f.refuse("mlp_only_layers", dense, "meshfit keeps the first model.moe_dense_layers layers dense: "
+                       "give [] or [0, 1, ..., n-1]")
+    return {"moe_experts": f.get("num_experts", f.get("num_local_experts", 128)),
+            "moe_top_k": f.get("num_experts_per_tok", 8), "moe_ffn_hidden": f.get("moe_intermediate_size", 768),
+            "moe_dense_layers": len(dense), "moe_norm_topk": bool(f.get("norm_topk_prob", False)),
+            "moe_aux_loss_coeff": float(f.get("router_aux_loss_coef", 0.001))}
+
+
 def _llama(f: _Fields, kind: str) -> ModelConfig:
     f.check_fixed({**_LLAMA_FIXED, **_FIXED[kind]})
     dim, heads, layers = f.need("hidden_size"), f.need("num_attention_heads"), f.need("num_hidden_layers")
@@ -130,7 +154,8 @@ def _llama(f: _Fields, kind: str) -> ModelConfig:
         vocab_size=f.need("vocab_size"), ffn_hidden=f.need("intermediate_size"),
         max_seq_len=f.need("max_position_embeddings"), tie_embeddings=bool(f.get("tie_word_embeddings", False)),
         norm_eps=float(f.get("rms_norm_eps", 1e-6)), head_dim=_head_dim(f, kind, dim, heads),
-        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", sliding_window=_window(f, kind, layers), **_rope(f),
+        qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"), sliding_window=_window(f, kind, layers),
+        **_rope(f), **_moe(f, kind),
     )
 
 
@@ -164,7 +189,7 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
         model = _gpt2(fields)
     else:
         raise ValueError(f"{path}: model_type {kind!r} is not supported; supported: "
-                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama-, Mistral-, Qwen- and GPT-2-style decoders)")
+                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama-, Mistral-, Mixtral-, Qwen- and GPT-2-style decoders)")
     try:
         model.validate()
     except (TypeError, ValueError) as exc:

@@ -7,7 +7,8 @@ within the rank's share plus one slice; an 8B model no longer costs every rank 3
 
 Names and layouts are hf_weights.py's: Llama-family tensors are renamed; GPT-2's Conv1D weights are stored
 [in, out] (read transposed) and its q, k and v are column ranges of one fused c_attn. Vocabulary rows that
-padding for tensor parallelism adds are zeros, not read.
+padding for tensor parallelism adds are zeros, not read. A Mixture-of-Experts block's 3-D expert tensor is
+read from the per-expert tensors of the experts the rank's block of it covers, each sliced alike.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from meshfit.models.config import ModelConfig
-from meshfit.models.hf_weights import hf_source, safetensors_files
+from meshfit.models.hf_weights import expert_source, hf_source, safetensors_files
 from meshfit.models.init import VOCAB_TABLES, local_region
 
 class HFWeights:
@@ -54,10 +55,20 @@ class HFWeights:
         return block.contiguous()
 
     def _stored(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        template = expert_source(name, self.cfg)
+        if template is not None:  # experts offsets[0] onwards, each one's block of rows and columns
+            parts = [self._tensor(template.format(j=j), name, offsets[1:], sizes[1:], False, 0)
+                     for j in range(offsets[0], offsets[0] + sizes[0])]
+            return torch.stack(parts) if parts else torch.empty(sizes)
         source = hf_source(name, self.cfg)
         if source is None:
             raise ValueError(f"model.init_from: no Hugging Face tensor holds meshfit's {name!r}")
         stored, transposed, shift = source
+        return self._tensor(stored, name, offsets, sizes, transposed, shift)
+
+    def _tensor(self, stored: str, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], transposed: bool,
+                shift: int) -> torch.Tensor:
+        """The block of stored tensor `stored` (meshfit's `name`) at `offsets` of `sizes`."""
         if stored not in self.files:
             raise ValueError(f"model.init_from: the weights have no tensor {stored!r} (for meshfit's {name!r})")
         if any(size == 0 for size in sizes):

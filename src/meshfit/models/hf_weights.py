@@ -1,5 +1,8 @@
-"""meshfit weights ⇄ Hugging Face weights (Llama, Mistral, Qwen2, Qwen3 and GPT-2 causal LMs) and their
-config.json.
+"""meshfit weights ⇄ Hugging Face weights (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GPT-2 causal
+LMs) and their config.json.
+
+A Mixture-of-Experts block's routed experts are three 3-D tensors here (``experts.w1`` [E, F, D], ...) and
+one ``nn.Linear`` weight per expert there (``...experts.{j}.w1.weight`` [F, D]): expert j is slice j.
 
 meshfit's Llama block is HF's Llama, Mistral, Qwen2 and Qwen3 block (RMSNorm, rotate-half RoPE, SwiGLU,
 GQA; Qwen2's q/k/v biases, Qwen3's q/k norms): tensors are renamed.
@@ -39,6 +42,16 @@ _LLAMA = [  # (meshfit, HF) with {i} for the layer index
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
 ]
+# Mixture-of-Experts tensors of each Hugging Face family, {j}: the expert. Routers: one tensor each.
+_ROUTERS = {"mixtral": [("layers.{i}.feed_forward.router.gate.weight", "model.layers.{i}.block_sparse_moe.gate.weight")],
+            "qwen3_moe": [("layers.{i}.feed_forward.router.gate.weight", "model.layers.{i}.mlp.gate.weight")]}
+_EXPERTS = {
+    "mixtral": [(f"layers.{{i}}.feed_forward.experts.{w}", f"model.layers.{{i}}.block_sparse_moe.experts.{{j}}.{w}.weight")
+                for w in ("w1", "w2", "w3")],
+    "qwen3_moe": [(f"layers.{{i}}.feed_forward.experts.{w}", f"model.layers.{{i}}.mlp.experts.{{j}}.{hf}.weight")
+                  for w, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))],
+}
+_EXPERT_BIAS = re.compile(r"^layers\.\d+\.feed_forward\.router\.expert_bias$")
 _GPT = [  # renamed as they are; Conv1D weights (marked T) are transposed
     ("tok_embeddings.weight", "transformer.wte.weight", False),
     ("pos_embeddings.weight", "transformer.wpe.weight", False),
@@ -58,6 +71,7 @@ _QKV = ("wq", "wk", "wv")
 
 def _pattern(template: str) -> re.Pattern:
     escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    escaped = escaped.replace(r"\{j\}", r"(?P<j>\d+)")
     return re.compile(f"^{escaped}$")
 
 
@@ -69,12 +83,53 @@ def _rename(name: str, table: list[tuple], src: int, dst: int) -> tuple[str, boo
     return None
 
 
+def _table(cfg: ModelConfig) -> list[tuple]:
+    if cfg.family == "gpt":
+        return _GPT
+    return _LLAMA + _ROUTERS[hf_model_type(cfg)] if cfg.moe else _LLAMA
+
+
+def _expert_rows(cfg: ModelConfig) -> list[tuple[str, str]]:
+    return _EXPERTS[hf_model_type(cfg)] if cfg.moe else []
+
+
+def expert_source(name: str, cfg: ModelConfig) -> str | None:
+    """The Hugging Face name of expert {j}'s tensor in meshfit's 3-D expert tensor `name`; None for others."""
+    for plain, stored in _expert_rows(cfg):
+        match = _pattern(plain).match(name)
+        if match:
+            return stored.format(i=match.group("i"), j="{j}")
+    return None
+
+
+def _unstack_experts(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+    template = expert_source(name, cfg)
+    if template is None:
+        return None
+    return {template.format(j=j): part.contiguous() for j, part in enumerate(tensor.unbind(0))}
+
+
+def _check_bias(name: str, tensor: torch.Tensor) -> None:
+    # Neither Mixtral nor Qwen3-MoE routes with a bias: a trained one changes which experts are chosen.
+    if tensor.is_meta or bool((tensor == 0).all()):
+        return
+    raise ValueError(f"{name} is not zero: the aux-loss-free expert bias changes the routing, and no Hugging "
+                     "Face architecture meshfit writes (Mixtral, Qwen3-MoE) has it")
+
+
 def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """meshfit full weights (plain names) → HF tensors; the tied output head is left out, as HF does."""
-    table = _LLAMA if cfg.family == "llama" else _GPT
+    table = _table(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         if cfg.tie_embeddings and name == "output.weight":
+            continue
+        if _EXPERT_BIAS.match(name):
+            _check_bias(name, tensor)
+            continue
+        experts = _unstack_experts(name, tensor, cfg)
+        if experts is not None:
+            out.update(experts)
             continue
         if cfg.family == "gpt" and re.match(r"^layers\.\d+\.attention\.(wq|wk|wv)\.(weight|bias)$", name):
             continue  # fused below
@@ -96,9 +151,18 @@ def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
 
 def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """HF tensors → meshfit full weights by plain name; raises ValueError naming `source` and the tensor."""
-    table = _LLAMA if cfg.family == "llama" else _GPT
+    table = _table(cfg)
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        for plain, stored in _expert_rows(cfg):
+            if match := _pattern(stored).match(name):
+                experts.setdefault(plain.format(i=match.group("i")), {})[int(match.group("j"))] = tensor
+                break
+        else:
+            match = None
+        if match:
+            continue
         if cfg.family == "gpt" and (m := re.match(r"^transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)$", name)):
             parts = tensor.split(cfg.dim, dim=-1)  # [in, 3·out] or [3·out]
             for key, part in zip(_QKV, parts, strict=True):
@@ -111,6 +175,12 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> 
             raise ValueError(f"{source}: tensor {name!r} has no meshfit counterpart ({cfg.family} family)")
         plain, transpose = renamed
         out[plain] = tensor.t() if transpose else tensor
+    for plain, parts in experts.items():
+        if set(parts) != set(range(cfg.moe_experts)):
+            odd = min(set(parts) ^ set(range(cfg.moe_experts)))
+            raise ValueError(f"{source}: the model has experts 0 to {cfg.moe_experts - 1}, and tensor "
+                             f"{expert_source(plain, cfg).format(j=odd)} is {'missing' if odd not in parts else 'extra'}")
+        out[plain] = torch.stack([parts[j] for j in range(cfg.moe_experts)])
     if cfg.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
     return {k: v.contiguous() for k, v in out.items()}
@@ -118,7 +188,8 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> 
 
 # Hugging Face architecture of each model_type meshfit writes.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
@@ -126,6 +197,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     sliding window; a plain Llama-family model is a Llama. ValueError for a variant no such class has."""
     if cfg.family == "gpt":
         return "gpt2"
+    if cfg.moe:
+        return _moe_model_type(cfg)
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("model.qkv_bias and model.qk_norm together: no Hugging Face architecture meshfit writes "
                          "has both (Qwen2 has the biases, Qwen3 the norms)")
@@ -134,6 +207,24 @@ def hf_model_type(cfg: ModelConfig) -> str:
     if cfg.qkv_bias:
         return "qwen2"
     return "mistral" if cfg.sliding_window is not None else "llama"
+
+
+def _moe_model_type(cfg: ModelConfig) -> str:
+    """Mixtral (no q/k norms, every layer sparse, top-k renormalised) or Qwen3-MoE (q/k norms per head, the
+    first layers may be dense); ValueError naming what neither computes."""
+    unlike = [(name, value) for name, value, plain in (
+        ("moe_shared_experts", cfg.moe_shared_experts, 0), ("moe_score", cfg.moe_score, "softmax"),
+        ("moe_route_scale", cfg.moe_route_scale, 1.0), ("qkv_bias", cfg.qkv_bias, False),
+        ("qk_norm_scope", cfg.qk_norm_scope, "head")) if value != plain]
+    kind = "qwen3_moe" if cfg.qk_norm else "mixtral"
+    if kind == "mixtral":
+        unlike += [(n, v) for n, v, plain in (("moe_dense_layers", cfg.moe_dense_layers, 0),
+                                              ("moe_norm_topk", cfg.moe_norm_topk, True)) if v != plain]
+    if unlike:
+        name, value = unlike[0]
+        raise ValueError(f"model.{name}={value!r}: no Hugging Face Mixture-of-Experts architecture meshfit writes "
+                         "(Mixtral, Qwen3-MoE) computes it")
+    return kind
 
 
 def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -154,11 +245,19 @@ def _llama_family_config(cfg: ModelConfig, kind: str) -> dict[str, Any]:
            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
            "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "hidden_act": "silu",
            "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0}
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "qwen3_moe"):
         out.update(attention_bias=False, **({"mlp_bias": False} if kind == "llama" else {}))
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
-    if kind in ("qwen2", "qwen3"):
+    if kind == "mixtral":
+        out.update(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                   intermediate_size=cfg.moe_hidden, router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+                   router_jitter_noise=0.0)
+    if kind == "qwen3_moe":
+        out.update(num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                   moe_intermediate_size=cfg.moe_hidden, norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=1,
+                   mlp_only_layers=list(range(cfg.moe_dense_layers)), router_aux_loss_coef=cfg.moe_aux_loss_coeff)
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
         # A window, where set, on every layer (max_window_layers 0): the strictest reading of it.
         windowed = cfg.sliding_window is not None
         out.update(use_sliding_window=windowed, sliding_window=cfg.sliding_window,
@@ -197,7 +296,7 @@ def hf_source(name: str, cfg: ModelConfig) -> tuple[str, bool, int] | None:
     if cfg.family == "gpt" and (match := re.match(r"^layers\.(\d+)\.attention\.(wq|wk|wv)\.(weight|bias)$", name)):
         layer, which, kind = match.groups()
         return f"transformer.h.{layer}.attn.c_attn.{kind}", kind == "weight", _QKV.index(which) * cfg.dim
-    renamed = _rename(name, _LLAMA if cfg.family == "llama" else _GPT, 0, 1)
+    renamed = _rename(name, _table(cfg), 0, 1)
     return None if renamed is None else (renamed[0], renamed[1], 0)
 
 

@@ -81,9 +81,9 @@ def _random_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
     if len(parts) >= 2 and parts[-2].endswith("norm"):
         return nn.init.ones_(full)
     std = BASE_STD
-    if len(parts) >= 2 and parts[-2] in ("wo", "w2"):
-        # Residual-branch output projections, scaled as in GPT-2 so the
-        # residual stream's variance does not grow with depth.
+    if (len(parts) >= 2 and parts[-2] in ("wo", "w2")) or parts[-1] == "w2":
+        # Residual-branch output projections (a Mixture-of-Experts block's experts.w2 among them), scaled
+        # as in GPT-2 so the residual stream's variance does not grow with depth.
         std = BASE_STD / math.sqrt(2 * cfg.n_layers)
     return nn.init.normal_(full, mean=0.0, std=std, generator=_generator(seed, name))
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import ModelConfig
 from meshfit.models.layers import AttentionCore, RMSNorm
 from meshfit.models.masks import Mask, forward_mask
+from meshfit.models.moe import MoE, SwiGLU
 from meshfit.models.rope import inverse_frequencies
 from meshfit.models.tying import TiedHead
 
@@ -98,19 +98,24 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q, cfg.dim, bias=False)
-        self.q_norm = RMSNorm(cfg.head_size, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_size, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # q/k norms over each head (Qwen3) or over the whole projections (OLMoE; before the heads are split).
+        self.norm_heads = cfg.qk_norm_scope == "head"
+        q_norm, k_norm = (cfg.head_size, cfg.head_size) if self.norm_heads else (q, kv)
+        self.q_norm = RMSNorm(q_norm, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(0.0, cfg.attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask | None = None
                 ) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.q_norm is not None and not self.norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         bs, seqlen = q.shape[:2]
         # -1: local head counts, which tensor parallelism divides by its degree.
         q = q.view(bs, seqlen, -1, self.head_dim)
         k = k.view(bs, seqlen, -1, self.head_dim)
         v = v.view(bs, seqlen, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
@@ -118,26 +123,19 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
-        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
-        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+FeedForward = SwiGLU  # the dense block's MLP: ``w2(silu(w1 x) * w3 x)``
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Attention and an MLP, each behind an RMSNorm on the residual stream. Block `index` of a
+    Mixture-of-Experts model (config.is_moe_layer) has the MoE MLP (models/moe.py) in place of the SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask | None = None
                 ) -> torch.Tensor:
@@ -166,7 +164,7 @@ class Llama(TiedHead):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.padded_vocab, cfg.dim)
         self.rope = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         self.tie_weights()

@@ -45,6 +45,23 @@ def _qwen(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden: in
                        head_dim=128 if qwen3 and dim != 128 * n_heads else None)
 
 
+def _mixtral(dim: int, n_layers: int, n_heads: int, ffn_hidden: int, max_seq: int) -> ModelConfig:
+    # mistralai/Mixtral-8x7B-v0.1 and -8x22B-v0.1 config.json: 8 experts of intermediate_size, top 2
+    # (softmax, renormalised), 8 key/value heads, vocabulary 32000, rope_theta 1e6, no sliding window.
+    return ModelConfig(family="llama", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=8, vocab_size=32000,
+                       ffn_hidden=ffn_hidden, max_seq_len=max_seq, tie_embeddings=False, norm_eps=1e-5,
+                       rope_theta=1000000.0, moe_experts=8, moe_top_k=2, moe_ffn_hidden=ffn_hidden,
+                       moe_aux_loss_coeff=0.02 if dim == 4096 else 0.001)
+
+
+def _qwen3_moe(dim: int, n_layers: int, n_heads: int, ffn_hidden: int, moe_hidden: int) -> ModelConfig:
+    # Qwen/Qwen3-30B-A3B and -235B-A22B config.json: Qwen3's attention (q/k norms, head_dim 128, 4 key/value
+    # heads), 128 experts, top 8 renormalised, every layer sparse (decoder_sparse_step 1, no mlp_only_layers;
+    # intermediate_size is then unused), router_aux_loss_coef 0.001.
+    return replace(_qwen(dim, n_layers, n_heads, 4, ffn_hidden, 151936, 40960, 1e-6, qwen3=True), moe_experts=128,
+                   moe_top_k=8, moe_ffn_hidden=moe_hidden, moe_aux_loss_coeff=0.001)
+
+
 def _gpt3(dim: int, n_layers: int, n_heads: int) -> ModelConfig:
     # Brown et al. 2020, Table 2.1: 2048-token context, 4x MLP, tied embeddings.
     return ModelConfig(
@@ -74,6 +91,17 @@ PRESETS: dict[str, ModelConfig] = {
         family="llama", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512,
         ffn_hidden=688, max_seq_len=512, tie_embeddings=False,
     ),
+    # Mixture-of-Experts test models: 8 experts, top 2, the first block dense (as DeepSeek's first_k_dense).
+    "tiny-moe": ModelConfig(
+        family="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+        ffn_hidden=128, max_seq_len=256, tie_embeddings=False, moe_experts=8, moe_top_k=2, moe_ffn_hidden=32,
+        moe_dense_layers=1, moe_aux_loss_coeff=0.01,
+    ),
+    "small-moe": ModelConfig(
+        family="llama", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512,
+        ffn_hidden=688, max_seq_len=512, tie_embeddings=False, moe_experts=8, moe_top_k=2, moe_ffn_hidden=176,
+        moe_shared_experts=1, moe_dense_layers=1, moe_aux_loss_coeff=0.01,
+    ),
     "small-gpt": ModelConfig(
         family="gpt", dim=256, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=512,
         ffn_hidden=1024, max_seq_len=512, tie_embeddings=True, dropout=0.0,
@@ -100,6 +128,17 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(family="llama", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                               ffn_hidden=14336, max_seq_len=32768, tie_embeddings=False, norm_eps=1e-5,
                               rope_theta=10000.0, sliding_window=4096),
+    # Mixture-of-Experts models (tests/test_moe_presets.py counts each against transformers).
+    "mixtral-8x7b": _mixtral(4096, 32, 32, 14336, 32768),
+    "mixtral-8x22b": _mixtral(6144, 56, 48, 16384, 65536),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),
+    # allenai/OLMoE-1B-7B-0924 config.json: 64 experts of 1024, top 8 not renormalised (norm_topk_prob
+    # false), q/k norms over the whole projections, multi-head attention, rope_theta 1e4, no clip_qkv.
+    "olmoe-1b-7b": ModelConfig(family="llama", dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=50304,
+                               ffn_hidden=1024, max_seq_len=4096, tie_embeddings=False, norm_eps=1e-5,
+                               rope_theta=10000.0, qk_norm=True, qk_norm_scope="projection", moe_experts=64,
+                               moe_top_k=8, moe_norm_topk=False, moe_aux_loss_coeff=0.01),
     "gpt3-125m": _gpt3(768, 12, 12),
     "gpt3-350m": _gpt3(1024, 24, 16),
     "gpt3-760m": _gpt3(1536, 24, 16),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshfit.layout.layout import Layout, Workload
-from meshfit.layout.model_fit import pipeline_model_error, seq_len_error
+from meshfit.layout.model_fit import moe_layout_error, pipeline_model_error, seq_len_error
 from meshfit.layout.rules import layout_error
 from meshfit.layout.schedules import least_microbatches
 from meshfit.models.config import ModelConfig
@@ -59,7 +59,8 @@ def _shape_error(model: ModelConfig, layout: Layout, workload: Workload) -> str 
     # Under context parallelism sequence parallelism splits each rank's part of the sequence.
     error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp, seq)
                       if layout.tp > 1 else None)
-    return error or pipeline_model_error(model, layout.pp, layout.virtual_stages)
+    return (error or moe_layout_error(model, layout.tp, layout.pp, layout.cp)
+            or pipeline_model_error(model, layout.pp, layout.virtual_stages))
 
 
 def _rename(error: str | None, names: Names) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from meshfit.hardware.catalog import CPU, Cluster
 from meshfit.layout.layout import Layout, Workload
-from meshfit.layout.model_fit import pipeline_model_error
+from meshfit.layout.model_fit import moe_layout_error, pipeline_model_error
 from meshfit.layout.recompute import AC_MODES
 from meshfit.layout.schedules import (
     SCHEDULES,
@@ -166,6 +166,8 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
         for cp in _cp_degrees(workload, world // tp, tp):
             sps = (False, True) if tp > 1 and workload.seq_len // cp % tp == 0 else (False,)
             for pp in (p for p in _divisors(world // (tp * cp)) if p <= model.n_layers):
+                if moe_layout_error(model, tp, pp, cp):
+                    continue  # Mixture-of-Experts models: data parallelism only (layout/model_fit.py)
                 yield from _layouts(model, workload, world // (tp * cp * pp), tp, cp, pp, sps, acs, offloads,
                                     micro_batch)
 

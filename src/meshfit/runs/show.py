@@ -25,6 +25,7 @@ from rich.table import Table
 from meshfit.layout.rules import data_parallel_rest, default_zero_stage
 from meshfit.parallel.dims import MESH_DIMS
 from meshfit.runs import run_dir as runfiles
+from meshfit.runs import show_moe
 from meshfit.runs.run_dir import MEM_CATEGORIES, REQUIRED_KEYS, ShowError, read_config, read_result
 from meshfit.train.steady import steady_records
 from meshfit.util.paths import PathError, read_text
@@ -366,6 +367,9 @@ def write_plots(runs: list[RunView], out: Path) -> list[tuple[Path, Path]]:
         plot_series(with_steps, "tokens_per_s", "tokens/s", "throughput", speed),
         plot_memory(with_steps, memory),
     ]
+    if show_moe.has_moe(with_steps):  # Mixture-of-Experts runs: expert load per layer
+        wanted.append(out / "show-experts.png")
+        written.append(show_moe.plot_moe_load(with_steps, _free_path(wanted[-1]), _save))
     return list(zip(written, wanted))
 
 
@@ -391,6 +395,8 @@ def show(run_dirs: list[Path], out: Path | None = None, console: Console | None 
         prepare_out(out_dir)
     console = console or Console(width=None if Console().is_terminal else 160)
     console.print(summary_table(runs))
+    if show_moe.has_moe(runs):
+        console.print(show_moe.moe_table(runs))
     written = write_plots(runs, out_dir)
     if not written:
         console.print("no step recorded yet in any run: no plots written")

@@ -98,6 +98,12 @@ def tensorboard_scalars(rec: dict[str, Any]) -> dict[str, float]:
         scalars["perf/mfu"] = rec["mfu"]
     if "val_loss" in rec:  # steps that ran an evaluation (train.eval_every)
         scalars["val/loss"] = rec["val_loss"]
+    if "moe_aux_loss" in rec:  # Mixture-of-Experts models: load balance per layer (max / mean tokens)
+        scalars["moe/aux_loss"] = rec["moe_aux_loss"]
+        scalars["moe/dropped_tokens"] = rec["moe_dropped_tokens"]
+        scalars["moe/max_load"] = max(rec["moe_load"])
+        for layer, load in zip(rec["moe_layers"], rec["moe_load"], strict=True):
+            scalars[f"moe/load/layer_{layer}"] = load
     # The most-loaded rank's breakdown at its peak: what decides whether the layout fits.
     worst = max(rec.get("mem") or [{}], key=lambda m: m.get("peak", 0))
     for key in ("params", "grads", "optim", "activations", "other"):

@@ -43,6 +43,8 @@ def step_record(run: Any, tally: Tally, grad_norm: float, lr: float, elapsed: fl
         "mfu": mfu(tps, run.flops_per_token, run.env.world_size, run.peak_flops),
         "peak_mem_bytes": max(m["peak"] for m in per_rank), "mem": per_rank,
     }
+    if run.moe_counts is not None:  # tokens per expert, dropped tokens, the auxiliary loss
+        record.update(run.moe_counts.record())
     if retracked:
         record["retracked"] = True  # memory grew after tracking stopped: this step was measured again
     return record

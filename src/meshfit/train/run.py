@@ -63,6 +63,7 @@ class Run:
     host_reduce: HostReduceScatter | None = None  # FSDP2's reduce-scatters on CPU ranks (host_reduce.py)
     held_out: HeldOut | None = None  # validation batches (train.eval_every > 0)
     context: tuple[int, int] = (1, 0)  # (parallel.cp, this rank's index along it)
+    moe_counts: Any = None  # the last step's Mixture-of-Experts counts (models/moe_stats.StepCounts)
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> Packed:
         """This rank's part of a batch's sequences (all of them, or under context parallelism its chunks),

@@ -14,7 +14,7 @@ import torch
 
 from meshfit.config import Config, ConfigError
 from meshfit.data import DataError, check_files
-from meshfit.layout.model_fit import pipeline_model_error, seq_len_error
+from meshfit.layout.model_fit import moe_layout_error, pipeline_model_error, seq_len_error
 from meshfit.layout.rules import default_zero_stage, layout_error
 from meshfit.layout.schedules import default_virtual_stages, least_microbatches
 from meshfit.models import ModelConfig
@@ -224,6 +224,8 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
         raise ConfigError(str(exc)) from None
     model = cfg.model.resolve()
     if error := seq_len_error(cfg.train.seq_len, model, "train.seq_len", "model.max_seq_len=…"):
+        raise ConfigError(error)
+    if error := moe_layout_error(model, dims.tp, dims.pp, dims.cp):
         raise ConfigError(error)
     _check_data(cfg, model.vocab_size)
     check_held_out(cfg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from meshfit.config import Config
 from meshfit.data.boundaries import Packed, counted
 from meshfit.layout.data_parallel_kind import data_parallel_kind
 from meshfit.models.loss import lm_loss
+from meshfit.models.moe_stats import end_step, take_aux_loss
 from meshfit.parallel.compile import compile_seconds, eager_blocks
 from meshfit.parallel.data_parallel import set_micro_batch
 from meshfit.train.checkpoint import Checkpointer
@@ -77,8 +79,9 @@ def _forward_backward(run: Run, batch: Packed, scale: float | None) -> torch.Ten
     with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
         logits = run.model(batch.inputs.to(device), **batch.model_kwargs(device))
         loss = lm_loss(logits, batch.targets.to(device), run.shape.model.vocab_size, scale)
+        aux = take_aux_loss(run.model)  # Mixture-of-Experts load balancing: trained, not reported as loss
         run.tracker.phase = "backward"
-        (loss / run.shape.accum_steps).backward()
+        ((loss if aux is None else loss + aux) / run.shape.accum_steps).backward()
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
@@ -112,6 +115,14 @@ def _ddp(run: Run) -> bool:
     return _kind(run) == "ddp"
 
 
+def _dp_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
+    """Sums a tensor in place over the data-parallel ranks (those that see different tokens)."""
+    if run.shape.dims.dp == 1:
+        return None
+    group = run.meshes.dp.get_group()
+    return lambda t: torch.distributed.all_reduce(t, group=group)
+
+
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool,
                     read: bool) -> tuple[torch.Tensor, Vote]:
     run.tracker.phase = "optimizer step"
@@ -127,7 +138,11 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
                        compiled=run.cfg.train.compile and compile_seconds() > run.compiling_since,
                        counter=run.meter.reading() if run.meter is not None and read else None), run.env.device)
     grad_norm = clip_grad_norm(squares, run.cfg.train.grad_clip, vote.square, read=read)
-    if guard is not None and not guard.allow_step(vote.tally, grad_norm):
+    allowed = guard is None or guard.allow_step(vote.tally, grad_norm)
+    # Mixture-of-Experts counts of the step, summed over the data-parallel ranks; the expert biases move
+    # with the step (not on a skipped one).
+    run.moe_counts = end_step(run.model, _dp_sum(run), update_bias=allowed)
+    if not allowed:
         return grad_norm, vote  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
     run.scheduler.step()

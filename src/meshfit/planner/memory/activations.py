@@ -22,13 +22,17 @@ scores (and the causal mask) cover each chunk's prefix of the keys. The "attenti
 recompute the gathered keys and values (the gather is re-run in backward) rather than keep them.
 ``benchmarks/planner/block_activations.py --cp`` measures blocks on fake tensors: the same bytes for both families,
 both kernels, t = 1 and 2 + SP, every policy.
+
+Mixture-of-Experts blocks (a first estimate, not yet measured): the MLP terms of a SwiGLU as wide as the
+top_k routed and the shared experts together (balanced routing), plus the dispatch tensors
+(``moe_dispatch_bytes``); every block is counted as a Mixture-of-Experts block, dense first layers included.
 """
 
 from __future__ import annotations
 
 from meshfit.layout.layout import Layout, Workload
 from meshfit.layout.recompute import rerun_blocks
-from meshfit.models.config import ModelConfig
+from meshfit.models.config import ModelConfig, moe_mlp_params
 from meshfit.models.mask_kernel import mask_bytes, mask_kernel
 from meshfit.planner.memory.formulas import activation_bytes_per_layer
 
@@ -40,12 +44,36 @@ def value_bytes(mode: str) -> int:
     return 4 if mode == "fp32" else 2
 
 
-def block_weight_params(model: ModelConfig) -> int:
-    """Matmul weights of one block (what tensor parallelism splits)."""
+def block_weight_params(model: ModelConfig) -> float:
+    """Matmul weights of one block (what tensor parallelism splits). A Mixture-of-Experts model's blocks
+    differ (its first moe_dense_layers are dense): the mean block's, so that blocks × layers is exact."""
     d, hd = model.dim, model.head_size
     if model.family == "llama":
-        return d * hd * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * d * model.ffn_hidden
+        attention = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads)
+        if not model.moe:
+            return attention + 3 * d * model.ffn_hidden
+        dense = model.n_layers - model.moe_layers
+        mlp = dense * 3 * d * model.ffn_hidden + model.moe_layers * moe_mlp_params(model)
+        return attention + mlp / model.n_layers
     return 4 * d * d + 2 * d * model.ffn_hidden
+
+
+def mlp_width(model: ModelConfig) -> int:
+    """The MLP width one token passes through: ffn_hidden, or a Mixture-of-Experts block's top_k routed and
+    its shared experts side by side."""
+    if not model.moe:
+        return model.ffn_hidden
+    return (model.moe_top_k + model.moe_shared_experts) * model.moe_hidden
+
+
+def moe_dispatch_bytes(model: ModelConfig, p: int) -> float:
+    """Per token, what a Mixture-of-Experts block keeps besides its experts' SwiGLU (a first estimate, not
+    yet measured against the tracker): the top_k sorted copies of the token (compute dtype) and their fp32
+    gate-weighted outputs, the fp32 router logits and scores, the int64 expert choices and sort order."""
+    if not model.moe:
+        return 0.0
+    k, experts = model.moe_top_k, model.moe_experts
+    return k * model.dim * (p + 4) + 2 * 4 * experts + 2 * 8 * k
 
 
 def cp_keys_per_query(seq: int, cp: int) -> float:
@@ -79,8 +107,9 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
     total = activation_bytes_per_layer(
         s=local, b=batch, h=model.dim, a=model.n_heads, t=tp, sp=sp, bytes_per_value=p,
         recompute="selective" if policy == "attention" else "none", dropout=gpt and dropout > 0,
-        attention=attention, family=model.family, ffn=model.ffn_hidden / model.dim,
+        attention=attention, family=model.family, ffn=mlp_width(model) / model.dim,
         kv=model.n_kv_heads / model.n_heads, keys=keys, q=model.q_width / model.dim, qk_norm=model.qk_norm)
+    total += tokens * moe_dispatch_bytes(model, p)
     if gpt:
         total += tokens * 2 * 2 * p / seq_split  # two LayerNorms' mean and reciprocal deviation
     if policy == "none" and attention == "eager":
@@ -106,7 +135,7 @@ def _op_kept_per_token(model: ModelConfig, p: int, keys: float, tp: int, sp: boo
     else:
         kept += p * q / tp + 4 * heads / tp  # the fused kernel's output and log-sum-exp
     up = 2 if model.family == "llama" else 1  # SwiGLU's gate and up projections
-    kept += p * up * model.ffn_hidden / tp
+    kept += p * up * mlp_width(model) / tp + moe_dispatch_bytes(model, p)
     # Output projection and MLP down projection: their matmul outputs (full-size partial sums under
     # TP), and under TP the reduced outputs as well (sequence-split under SP).
     reduced = 0 if tp == 1 else p * h / (tp if sp else 1)

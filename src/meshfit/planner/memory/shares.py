@@ -42,6 +42,9 @@ class Share:
 
 def _block_params(model: ModelConfig, tp: int) -> float:
     norms = 2 * model.dim if model.family == "llama" else 4 * model.dim
+    if model.qk_norm:  # q/k norms: each head's width (kept whole under TP), or the whole projections
+        norms += (model.q_width + model.n_kv_heads * model.head_size if model.qk_norm_scope == "projection"
+                  else 2 * model.head_size)
     biases = 0 if model.family == "llama" else (3 * model.dim + model.ffn_hidden) / tp + 2 * model.dim
     return block_weight_params(model) / tp + norms + biases
 

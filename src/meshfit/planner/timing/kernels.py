@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshfit.hardware.kernels import flash_fraction, kernel_rates
+from meshfit.planner.memory.activations import mlp_width
 
 if TYPE_CHECKING:
     from meshfit.hardware.catalog import GPU
@@ -118,11 +119,14 @@ def linear_s(tokens: int, n_in: float, n_out: float, gpu: GPU, precision: str,
 
 def block_linears(model: ModelConfig, tp: int) -> tuple[tuple[float, float], ...]:
     """(inputs, outputs) of each linear layer of a block on one tensor-parallel rank: the query, key and
-    value projections and the FFN's up (and gate) split by columns, the output projections by rows."""
-    h, f = model.dim, model.ffn_hidden
+    value projections and the FFN's up (and gate) split by columns, the output projections by rows. A
+    Mixture-of-Experts block counts as its router and one SwiGLU as wide as a token's experts together
+    (balanced routing: each expert's GEMM gets its share of the tokens)."""
+    h, f = model.dim, mlp_width(model)
     q, kv = model.q_width, model.n_kv_heads * model.head_size
     up = ((h, f / tp),) * (2 if model.family == "llama" else 1)  # SwiGLU's gate and up, or GPT's up
-    return ((h, q / tp), (h, kv / tp), (h, kv / tp), (q / tp, h), *up, (f / tp, h))
+    router = ((h, model.moe_experts),) if model.moe else ()
+    return ((h, q / tp), (h, kv / tp), (h, kv / tp), (q / tp, h), *router, *up, (f / tp, h))
 
 
 def _flash_s(model: ModelConfig, gpu: GPU, precision: str, seq: int, tp: int, cp: int) -> tuple[float, float]:

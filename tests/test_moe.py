@@ -1,0 +1,150 @@
+"""The Mixture-of-Experts block: grouped and per-expert kernels agree, capacity drops and counts, routing
+modes, the load-balancing loss, the expert-bias hook, exact parameter counts, and refused settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from meshfit.commands.main import main
+from meshfit.config import ConfigError, load_config
+from meshfit.models import (
+    build_model,
+    flops_per_token,
+    get_preset,
+    init_weights,
+    num_params,
+)
+from meshfit.models.config import num_active_params
+from meshfit.models.moe import MoE
+from meshfit.models.moe_stats import end_step, take_aux_loss
+from meshfit.planner.memory.shares import _shares
+from meshfit.train.metrics import tensorboard_scalars
+from meshfit.train.shape import resolve_run
+
+TINY = get_preset("tiny-moe")
+
+
+def _block(**fields) -> MoE:
+    cfg = dataclasses.replace(TINY, **fields)
+    model = build_model(cfg, "cpu")
+    init_weights(model, 0, cfg)
+    return model.layers["1"].feed_forward.train()
+
+
+def _run(block: MoE, kernel: str, x: torch.Tensor) -> list[torch.Tensor]:
+    block.experts.kernel = kernel
+    block.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    y = block(x)
+    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
+    return [y.detach(), x.grad, block.experts.w1.grad, block.experts.w2.grad, block.router.gate.weight.grad]
+
+
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_grouped_and_loop_kernels_agree(capacity: float | None) -> None:
+    block = _block(moe_capacity_factor=capacity)
+    x = torch.randn(2, 24, TINY.dim, generator=torch.Generator().manual_seed(1))
+    assert block.experts._grouped(x.view(-1, TINY.dim), block.experts.w1, block.experts.w2, block.experts.w3)
+    for a, b in zip(_run(block, "grouped", x), _run(block, "loop", x), strict=True):
+        assert (a - b).abs().max().item() < 1e-6
+
+
+def test_unaligned_widths_fall_back_to_the_loop() -> None:
+    block = _block(moe_ffn_hidden=6)  # 24-byte rows: torch._grouped_mm refuses them
+    x = torch.randn(48, TINY.dim)
+    assert not block.experts._grouped(x, block.experts.w1, block.experts.w2, block.experts.w3)
+    assert block(x.view(2, 24, -1)).shape == (2, 24, TINY.dim)
+
+
+def test_capacity_drops_copies_and_counts_them() -> None:
+    x = torch.randn(2, 32, TINY.dim, generator=torch.Generator().manual_seed(2))
+    dropless, roomy, tight = _block(), _block(moe_capacity_factor=8.0), _block(moe_capacity_factor=0.25)
+    with torch.no_grad():
+        assert torch.equal(dropless(x), roomy(x))  # room for every copy: nothing dropped, same output
+        assert not torch.allclose(dropless(x), tight(x))
+    tight(x)
+    counts = tight.counted
+    capacity = -(-0.25 * 64 * 2 // 8)  # ceil(factor · tokens · k / experts) = 4 per expert
+    kept = torch.clamp(counts["tokens"], max=capacity).sum()
+    assert counts["dropped"].item() == counts["tokens"].sum().item() - kept.item() > 0
+
+
+def test_balanced_routing_loads_every_expert_equally_and_the_aux_loss_is_its_coefficient() -> None:
+    block = _block()
+    block.router.balanced = True
+    block(torch.randn(1, 32, TINY.dim))
+    assert block.counted["tokens"].tolist() == [8.0] * 8  # 64 copies over 8 experts
+    # Switch/GShard: E · Σ f_e P_e = Σ P_e = 1 when f_e = 1/E, whatever the scores.
+    assert take_aux_loss(torch.nn.ModuleList([block])).item() == pytest.approx(TINY.moe_aux_loss_coeff, rel=1e-6)
+
+
+def test_expert_bias_favours_the_underloaded_experts_once_per_step() -> None:
+    block = _block(moe_bias_update_rate=0.1)
+    block.router.balanced = False
+    block(torch.randn(1, 32, TINY.dim))
+    load = block.counted["tokens"].clone()
+    seen = []
+    counts = end_step(torch.nn.ModuleList([block]), reduce_sum=lambda t: seen.append(t.clone()) or t.mul_(2))
+    assert len(seen) == 1 and counts.tokens[0].tolist() == (2 * load).tolist()  # the ranks' sum is what counts
+    assert torch.equal(block.router.expert_bias, 0.1 * torch.sign(load.mean() - load))
+    assert block.counted == {}  # restarted
+    assert end_step(torch.nn.ModuleList([block])) is None  # nothing counted since
+
+
+def test_a_recomputed_forward_counts_nothing_twice() -> None:
+    block = _block()
+    x = torch.randn(1, 16, TINY.dim, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert block.counted["tokens"].sum().item() == 16 * TINY.moe_top_k
+    assert block.counted["micro_batches"].item() == 1
+
+
+def test_step_record_and_tensorboard_scalars() -> None:
+    block = _block()
+    block(torch.randn(1, 16, TINY.dim))
+    rec = end_step(torch.nn.ModuleList([block])).record()
+    assert rec["moe_dropped_tokens"] == 0 and len(rec["moe_load"]) == 1 and rec["moe_load"][0] >= 1.0
+    scalars = tensorboard_scalars({"loss": 1.0, "grad_norm": 1.0, "lr": 1.0, "tokens_per_s": 1.0,
+                                   "step_time_s": 1.0, "peak_mem_bytes": 0, **rec})
+    assert scalars["moe/max_load"] == rec["moe_load"][0] and "moe/aux_loss" in scalars
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "small-moe"])
+def test_parameter_counts_are_the_built_models(name: str) -> None:
+    cfg = get_preset(name)
+    model = build_model(cfg, "meta")
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())
+    experts = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    unused = sum(e.w1.numel() + e.w2.numel() + e.w3.numel() for e in experts) * (1 - cfg.moe_top_k / cfg.moe_experts)
+    assert num_active_params(cfg) == num_params(cfg) - unused
+    assert flops_per_token(cfg, 64) < flops_per_token(dataclasses.replace(cfg, moe_top_k=cfg.moe_experts), 64)
+    assert _shares(cfg, 64, 1, 1, 1, False)[0].params == num_params(cfg)  # the planner's states count
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.moe_top_k=9"], "model.moe_top_k=9 exceeds model.moe_experts=8"),
+    (["model.moe_capacity_factor=0"], "model.moe_capacity_factor=0.0 must be > 0"),
+    (["model.moe_capacity_factor=-1"], "model.moe_capacity_factor=-1.0 must be > 0"),
+    (["model.moe_experts=0"], "model.moe_experts=0 must be a positive integer"),
+    (["model.moe_ffn_hidden=0"], "model.moe_ffn_hidden=0 must be a positive integer"),
+    (["model.preset=tiny-gpt", "model.moe_experts=4"], "model.moe_experts=4: family 'gpt' has no"),
+    (["model.preset=tiny-gpt", "model.moe_top_k=4"], "model.moe_top_k=4: family 'gpt' has no"),
+    (["model.preset=tiny", "model.moe_score=sigmoid"], "model.moe_score='sigmoid': it applies to Mixture"),
+    (["model.moe_score=relu"], "model.moe_score='relu'; valid: softmax, sigmoid"),
+    (["parallel.tp=2"], "parallel.tp=2: Mixture-of-Experts models"),
+    (["parallel.pp=2"], "parallel.pp=2: Mixture-of-Experts models"),
+    (["parallel.cp=2"], "parallel.cp=2: Mixture-of-Experts models"),
+])
+def test_bad_settings_are_one_line_naming_the_field(overrides: list[str], needle: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    argv = ["model.preset=tiny-moe", "train.seq_len=64", "train.global_batch=4", *overrides]
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        resolve_run(load_config(None, argv), 2)
+    sets = [a for o in argv for a in ("--set", o)]
+    assert main(["train", "--nproc", "2", *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
