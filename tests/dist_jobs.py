@@ -110,10 +110,9 @@ def stash_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
                 out.setdefault("stashed_during_backward", len(run.stash.acc))
                 return stash()
             run.stash.stash = counted
-        inputs, targets = run.batches.next_batch()
-        pairs = list(zip(inputs.split(run.shape.micro_batch), targets.split(run.shape.micro_batch), strict=True))
-        for i, (x, y) in enumerate(pairs):
-            _micro_step(run, x, y, sync=(i == len(pairs) - 1))
+        parts = run.local_batch(*run.batches.next_batch()).split(run.shape.micro_batch)
+        for i, part in enumerate(parts):
+            _micro_step(run, part, sync=(i == len(parts) - 1), scale=None)
             if i == 0 and name == "stash":
                 params = run.stash.params  # the sharded parameters (the module holds gathered ones now)
                 out["grads_after_first"] = sum(p.grad is not None for p in params)

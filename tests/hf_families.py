@@ -97,10 +97,10 @@ def layouts_job(cases: list[tuple[str, dict[str, Any]]], toks: torch.Tensor) -> 
         cfg = config_from_dict(cfg_dict)
         env = env or init_distributed(cfg.train.device)
         run = build_run(cfg, env, None)
-        inputs, targets = run.local_tokens(toks[:, :-1], toks[:, 1:])
+        batch = run.local_batch(toks[:, :-1], toks[:, 1:])
         with torch.no_grad():
-            logits = full(run.model(inputs))[..., :run.shape.model.vocab_size]
-        loss = _micro_step(run, inputs, targets, sync=True)
+            logits = full(run.model(batch.inputs))[..., :run.shape.model.vocab_size]
+        loss = _micro_step(run, batch, sync=True, scale=None)
         dist.all_reduce(loss)  # context parallelism: each rank's loss is the mean over its own tokens
         grads = {canonical_name(n, run.shape.model): full(p.grad) for n, p in run.model.named_parameters()}
         if env.rank == 0:  # numpy arrays: pickled by value (a tensor would be shared through this rank's memory)

@@ -12,15 +12,28 @@ A weighted mixture of token arrays is a ``Mixture`` of ``Part``s, read by ``Toke
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from meshfit.data.errors import DataError
 from meshfit.data.files import check_files, load_token_file, tokenize_text, write_token_file
-from meshfit.data.loader import TokenBatches
 from meshfit.data.mixture import Mixture, Part
-from meshfit.data.synthetic import MarkovSource
+
+if TYPE_CHECKING:
+    from meshfit.data.loader import TokenBatches
+    from meshfit.data.synthetic import MarkovSource
+
+# Imported on first use: they import torch, which the config (and with it `meshfit plan`) does not need.
+_LAZY = {"TokenBatches": "meshfit.data.loader", "MarkovSource": "meshfit.data.synthetic"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'meshfit.data' has no attribute {name!r}")
 
 __all__ = [
     "DataError",
@@ -58,6 +71,8 @@ def make_source(
     if source not in SOURCES:
         raise ValueError(f"data.source={source!r} is not valid; choose one of {', '.join(SOURCES)}")
     if source == "synthetic":
+        from meshfit.data.synthetic import MarkovSource
+
         return MarkovSource(vocab_size, seed)
     if path is None:
         what = "a UTF-8 .txt file or a directory of .txt files" if source == "text" else "a .npy or .bin token file"
