@@ -170,3 +170,52 @@ def test_training_on_shards_equals_training_on_the_same_tokens_in_one_file(tmp_p
         assert outcome.ok, outcome.message
         losses[name] = outcome.result["losses"]
     assert losses["shards"] == losses["file"]
+
+
+def test_prompt_response_pairs_count_only_the_response_as_targets(tmp_path: Path, tokenizer: Path) -> None:
+    import torch
+
+    from meshfit.data.boundaries import IGNORE
+    from meshfit.data.loader import TokenBatches
+
+    pairs = [(f"question {i}: the quick fox?", f"answer {i}: " + "héllo wörld " * (1 + i % 3)) for i in range(40)]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps({"q": p, "a": r}) + "\n" for p, r in pairs))
+    assert main(["prepare", str(path), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "sft"),
+                 "--prompt-field", "q", "--response-field", "a", "--shard-tokens", "200"]) == 0
+    tok = load_tokenizer(tokenizer)
+    encoded = tok.encode_pairs(pairs)
+    ids = np.concatenate([i for i, _ in encoded]).astype(np.int64)
+    counted = np.concatenate([c for _, c in encoded]).astype(bool)
+    for (i, c), (prompt, response) in zip(encoded, pairs, strict=True):
+        # The prompt as a document's start (BOS), then the response's own tokens, then EOS; only those count.
+        head = tok.encode([prompt])[0][:-1].tolist()
+        assert i.tolist()[:len(head)] == head and not c[:len(head)].any() and c[len(head):].all()
+        assert i[-1] == tok.eos_id
+    batches = TokenBatches(PreparedTokens(tmp_path / "sft"), seq_len=32, global_batch=4, dp_rank=0, dp_size=1)
+    inputs, targets = batches.next_batch()
+    starts = np.arange(4)[:, None] * 32 + np.arange(33)  # file order: windows 0..3
+    assert torch.equal(inputs, torch.from_numpy(ids[starts[:, :-1]].astype(np.int64)))
+    expected = np.where(counted[starts[:, 1:]], ids[starts[:, 1:]], IGNORE)
+    assert torch.equal(targets, torch.from_numpy(expected.astype(np.int64)))
+    assert (targets == IGNORE).any() and (targets != IGNORE).any()
+    code = main(["prepare", str(path), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "x"),
+                 "--prompt-field", "q"])
+    assert code == 2
+
+
+def test_a_run_on_prompt_response_data_trains_on_the_responses(tmp_path: Path, tokenizer: Path) -> None:
+    from meshfit.config import load_config
+    from meshfit.train.launch import launch
+
+    pairs = [(f"q{i}: the quick fox?", "a: héllo wörld " * (1 + i % 3)) for i in range(60)]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps({"q": p, "a": r}) + "\n" for p, r in pairs))
+    assert main(["prepare", str(path), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "sft"),
+                 "--prompt-field", "q", "--response-field", "a"]) == 0
+    base = ["model.preset=tiny", "model.vocab_size=512", "train.seq_len=32", "train.global_batch=4", "train.steps=4",
+            "data.source=tokens", f"data.path={tmp_path / 'sft'}", "checkpoint.at_end=false", "train.lr=1e-2"]
+    outcome = launch(load_config(None, base), tmp_path / "run")
+    assert outcome.ok, outcome.message
+    losses = outcome.result["losses"]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -21,6 +21,11 @@ def add_parser(sub: Any, epilog: str) -> argparse.ArgumentParser:
     prepare.add_argument("--out", type=Path, required=True, metavar="DIR", help="the folder of shards to write")
     prepare.add_argument("--field", default="text", metavar="NAME",
                          help="the JSONL key or parquet column holding the text (default: text)")
+    prepare.add_argument("--prompt-field", default=None, metavar="NAME",
+                         help="with --response-field: prompt/response pairs (supervised fine-tuning); the "
+                              "prompt's tokens are stored as not counted by the loss")
+    prepare.add_argument("--response-field", default=None, metavar="NAME",
+                         help="the JSONL key or parquet column of the response (with --prompt-field)")
     prepare.add_argument("--workers", type=int, default=1, metavar="N",
                          help="tokenizing processes (default 1); the shards are the same for any N")
     prepare.add_argument("--shard-tokens", type=int, default=None, metavar="N",
@@ -40,10 +45,15 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"error: {flag} {value}: must be at least 1", file=sys.stderr)
             return 2
+    if (args.prompt_field is None) != (args.response_field is None):
+        print("error: --prompt-field and --response-field go together (prompt/response pairs); give both, or "
+              "neither and --field for plain text", file=sys.stderr)
+        return 2
+    field = args.field if args.prompt_field is None else (args.prompt_field, args.response_field)
     began = time.perf_counter()
     try:
         with _progress(args.inputs) as tick:
-            meta = prepare(args.inputs, args.tokenizer, args.out, args.field, args.workers,
+            meta = prepare(args.inputs, args.tokenizer, args.out, field, args.workers,
                            args.shard_tokens or DEFAULT_SHARD_TOKENS, args.skip_empty, args.overwrite, tick)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,10 +12,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from meshfit.data.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+# The option that names the fields, for the messages: one text field, or a prompt and a response.
+_FLAG = {False: "--field", True: "--prompt-field / --response-field"}
 _PARQUET_BATCH = 1024  # rows read at a time: a parquet file larger than memory streams through
 
 
@@ -53,7 +56,7 @@ def _text(file: Path, where: str, data: bytes) -> str:
         raise DataError(f"{file}{where}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
-def _jsonl(file: Path, field: str) -> Iterator[tuple[str, str, float]]:
+def _jsonl(file: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...], float]]:
     with open(file, "rb") as handle:
         for number, raw in enumerate(handle, 1):
             where = f", line {number}"
@@ -64,15 +67,17 @@ def _jsonl(file: Path, field: str) -> Iterator[tuple[str, str, float]]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{file}{where}: not JSON ({exc.msg}, column {exc.colno})") from None
-            if not isinstance(record, dict) or field not in record:
-                keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"{file}{where}: no field {field!r} (found: {keys}); choose the text's key with --field")
-            if not isinstance(record[field], str):
-                raise DataError(f"{file}{where}: field {field!r} holds {type(record[field]).__name__}, not text")
-            yield where, record[field], len(raw)
+            for field in fields:
+                if not isinstance(record, dict) or field not in record:
+                    keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{file}{where}: no field {field!r} (found: {keys}); choose the text's key with "
+                                    f"{_FLAG[len(fields) > 1]}")
+                if not isinstance(record[field], str):
+                    raise DataError(f"{file}{where}: field {field!r} holds {type(record[field]).__name__}, not text")
+            yield where, tuple(record[field] for field in fields), len(raw)
 
 
-def _parquet(file: Path, field: str) -> Iterator[tuple[str, str, float]]:
+def _parquet(file: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...], float]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -81,32 +86,41 @@ def _parquet(file: Path, field: str) -> Iterator[tuple[str, str, float]]:
         table = pq.ParquetFile(file)
     except Exception as exc:  # pyarrow's own error types
         raise DataError(f"{file}: cannot be read as parquet ({exc})") from None
-    if field not in table.schema_arrow.names:
-        raise DataError(f"{file}: no column {field!r} (columns: {', '.join(table.schema_arrow.names[:8])}); "
-                        "choose the text's column with --field")
+    for field in fields:
+        if field not in table.schema_arrow.names:
+            raise DataError(f"{file}: no column {field!r} (columns: {', '.join(table.schema_arrow.names[:8])}); "
+                            f"choose the text's column with {_FLAG[len(fields) > 1]}")
     row, per_row = 0, file.stat().st_size / max(1, table.metadata.num_rows)
-    for batch in table.iter_batches(batch_size=_PARQUET_BATCH, columns=[field]):
-        for value in batch.column(0).to_pylist():
+    for batch in table.iter_batches(batch_size=_PARQUET_BATCH, columns=list(fields)):
+        for values in zip(*(batch.column(i).to_pylist() for i in range(len(fields))), strict=True):
             row += 1
-            if not isinstance(value, str):
-                raise DataError(f"{file}, row {row}: column {field!r} holds {type(value).__name__}, not text")
-            yield f", row {row}", value, per_row
+            for field, value in zip(fields, values, strict=True):
+                if not isinstance(value, str):
+                    raise DataError(f"{file}, row {row}: column {field!r} holds {type(value).__name__}, not text")
+            yield f", row {row}", tuple(values), per_row
 
 
-def read_documents(files: list[Path], field: str = "text", skip_empty: bool = False,
-                   counts: Counts | None = None) -> Iterator[str]:
-    """Every document's text, in order. `counts` (if given) is updated as documents are read."""
+def read_documents(files: list[Path], field: str | tuple[str, str] = "text", skip_empty: bool = False,
+                   counts: Counts | None = None) -> Iterator[Any]:
+    """Every document's text, in order; with two fields (prompt, response) each document's pair of texts.
+    `counts` (if given) is updated as documents are read."""
     counts = counts if counts is not None else Counts()
+    fields = (field,) if isinstance(field, str) else tuple(field)
     for file in files:
         done = counts.bytes + file.stat().st_size
         if file.suffix == ".txt":
-            records: Iterator[tuple[str, str, float]] = iter([("", _text(file, "", file.read_bytes()), 0)])
+            if len(fields) > 1:
+                raise DataError(f"{file}: a text file holds one text, not a prompt and a response; give the pairs as "
+                                ".jsonl or .parquet")
+            records: Iterator[tuple[str, tuple[str, ...], float]] = iter(
+                [("", (_text(file, "", file.read_bytes()),), 0)])
         elif file.suffix == ".jsonl":
-            records = _jsonl(file, field)
+            records = _jsonl(file, fields)
         else:
-            records = _parquet(file, field)
-        for where, text, nbytes in records:
+            records = _parquet(file, fields)
+        for where, texts, nbytes in records:
             counts.bytes += nbytes
+            text = texts[-1]  # a pair is empty when its response is: nothing of it would be trained on
             if not text.strip():
                 if not skip_empty:
                     raise DataError(f"{file}{where}: empty document; drop it, or pass --skip-empty to skip such "
@@ -114,5 +128,5 @@ def read_documents(files: list[Path], field: str = "text", skip_empty: bool = Fa
                 counts.skipped_empty += 1
                 continue
             counts.documents += 1
-            yield text
+            yield texts[0] if len(texts) == 1 else texts
         counts.bytes = done

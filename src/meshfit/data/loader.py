@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from meshfit.data.blend import Blend
+from meshfit.data.boundaries import IGNORE
 from meshfit.data.errors import DataError
 from meshfit.data.mixture import Mixture
+from meshfit.data.shards import split_counted
 from meshfit.data.synthetic import MarkovSource
 from meshfit.data.windows import TokenArray, Windows
 
@@ -70,6 +72,8 @@ class TokenBatches:
         elif not isinstance(source, MarkovSource):
             self.streams = [Windows(source, seq_len, self.file, shuffle=shuffle, seed=seed)]
         self.windows_per_epoch = self.streams[0].count if len(self.streams) == 1 and not self.blend else None
+        # Prompt/response data (a loss mask): some targets do not count, so a step averages over those that do.
+        self.loss_masked = any(getattr(s.tokens, "masks", None) is not None for s in self.streams)
 
     def __repr__(self) -> str:
         return (
@@ -100,8 +104,12 @@ class TokenBatches:
         first = self.sequences_consumed + self.dp_rank * self.local_batch
         seqs = self._sequences(first, self.local_batch)
         self.sequences_consumed += self.global_batch
+        ids, counted = split_counted(seqs)  # prompt/response data: prompt tokens are not targets
+        targets = ids[:, 1:].contiguous()
+        if counted is not None:
+            targets = targets.masked_fill(~counted[:, 1:], IGNORE)
         # Contiguous copies so a trainer can .view(-1) targets for the loss.
-        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        return ids[:, :-1].contiguous(), targets
 
     def __iter__(self) -> TokenBatches:
         return self

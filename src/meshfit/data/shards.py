@@ -27,6 +27,12 @@ def shard_files(index: int) -> tuple[str, str]:
     return f"shard-{index:05d}.tokens", f"shard-{index:05d}.offsets"
 
 
+def mask_file(index: int) -> str:
+    """Prompt/response data (`meshfit prepare --prompt-field/--response-field`): one byte per token, 1 where
+    the loss counts the token as a target (the response and its EOS), 0 on the prompt."""
+    return f"shard-{index:05d}.mask"
+
+
 def is_prepared(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA).is_file()
 
@@ -43,8 +49,11 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
         raise DataError(f"{path}: not the metadata of `meshfit prepare` (format {FORMAT} version {VERSION})")
     itemsize = np.dtype(meta["dtype"]).itemsize
     for shard in meta["shards"]:
-        for name, expected in ((shard["tokens"], shard["n_tokens"] * itemsize),
-                               (shard["offsets"], (shard["n_documents"] + 1) * 8)):
+        expected_sizes = [(shard["tokens"], shard["n_tokens"] * itemsize),
+                          (shard["offsets"], (shard["n_documents"] + 1) * 8)]
+        if meta.get("loss_mask"):
+            expected_sizes.append((shard["mask"], shard["n_tokens"]))
+        for name, expected in expected_sizes:
             size = (folder / name).stat().st_size if (folder / name).is_file() else None
             if size != expected:
                 found = "is missing" if size is None else f"holds {size} bytes"
@@ -55,7 +64,11 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
 
 class PreparedTokens:
     """The tokens of a prepared folder as one 1-D array: ``len()`` and integer-array indexing (any shape),
-    reading only the rows asked for from the memory-mapped shards; slices give views."""
+    reading only the rows asked for from the memory-mapped shards; slices give views.
+
+    A folder with a loss mask (prompt/response data) gives each token the loss does not count as a target
+    as ``-(id + 1)`` (int64): the mask travels through every reader of windows (shuffling, mixtures,
+    held-out data) with the ids, and `split_counted` turns it back into ids and a mask."""
 
     ndim = 1
 
@@ -66,6 +79,10 @@ class PreparedTokens:
         self.dtype = np.dtype(self.meta["dtype"])
         self.parts = [np.memmap(self.folder / s["tokens"], dtype=self.dtype, mode="r")
                       if s["n_tokens"] else np.zeros(0, self.dtype) for s in self.meta["shards"]]
+        self.masks = None
+        if self.meta.get("loss_mask"):
+            self.masks = [np.memmap(self.folder / s["mask"], dtype=np.uint8, mode="r")
+                          if s["n_tokens"] else np.zeros(0, np.uint8) for s in self.meta["shards"]]
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
         self.start, self.stop = start, self.meta["tokens"] if stop is None else stop
         self.filename = str(self.folder)
@@ -92,18 +109,31 @@ class PreparedTokens:
             raise IndexError(f"token position out of range 0..{len(self) - 1}")
         flat = positions.reshape(-1)
         shard = np.searchsorted(self.starts, flat, side="right") - 1
-        out = np.empty(flat.shape, dtype=self.dtype)
+        out = np.empty(flat.shape, dtype=self.dtype if self.masks is None else np.int64)
         for s in np.unique(shard):
             rows = shard == s
-            out[rows] = self.parts[s][flat[rows] - self.starts[s]]
+            at = flat[rows] - self.starts[s]
+            out[rows] = self.parts[s][at]
+            if self.masks is not None:
+                out[rows] = np.where(self.masks[s][at] == 1, out[rows], -out[rows] - 1)
         return out.reshape(positions.shape)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError("prepared tokens are read by index; converting them whole would read every shard")
 
 
+def split_counted(tokens: Any) -> tuple[Any, Any]:
+    """(ids, counted) of rows read from prepared tokens (numpy or torch): `counted` is None when nothing
+    is masked."""
+    negative = tokens < 0
+    if not negative.any():
+        return tokens, None
+    return (-tokens - 1) * negative + tokens * ~negative, ~negative
+
+
 def files_of(folder: str | Path) -> list[Path]:
     """The metadata and every shard file: what identifies the data (data/fingerprint.py)."""
     folder = Path(folder)
     meta = read_metadata(folder)
-    return [folder / METADATA] + [folder / n for s in meta["shards"] for n in (s["tokens"], s["offsets"])]
+    return [folder / METADATA] + [folder / n for s in meta["shards"]
+                                  for n in (s["tokens"], s["offsets"], *([s["mask"]] if "mask" in s else []))]

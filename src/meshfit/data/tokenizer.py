@@ -54,6 +54,23 @@ class Pretrained:
             out.append(np.asarray(ids, dtype=dtype))
         return out
 
+    def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, counted) of each (prompt, response): the prompt encoded as a document's start (BOS as the
+        tokenizer adds it), the response after it without special tokens, then EOS; `counted` (uint8) is 1
+        on the response and the EOS, the targets a supervised fine-tuning loss counts, 0 on the prompt."""
+        dtype = np.min_scalar_type(max(self.vocab_size - 1, 255))
+        prompts = self.tokenizer.encode_batch([p for p, _ in pairs])
+        responses = self.tokenizer.encode_batch([r for _, r in pairs], add_special_tokens=False)
+        out = []
+        for prompt, response in zip(prompts, responses, strict=True):
+            head = prompt.ids
+            if self.add_bos and self.bos_id is not None and head[:1] != [self.bos_id]:
+                head = [self.bos_id, *head]
+            tail = response.ids + ([] if self.eos_id is None else [self.eos_id])
+            counted = np.concatenate([np.zeros(len(head), np.uint8), np.ones(len(tail), np.uint8)])
+            out.append((np.asarray(head + tail, dtype=dtype), counted))
+        return out
+
     def describe(self) -> dict[str, Any]:
         return {"path": str(self.folder), "sha256": self.digest, "vocab_size": self.vocab_size,
                 "bos_id": self.bos_id, "eos_id": self.eos_id}

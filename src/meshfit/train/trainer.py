@@ -90,12 +90,13 @@ def loss_scale(run: Run, targets: torch.Tensor, read: bool) -> float | None:
     loss and gradients are the sum of every counted target's loss over the global batch divided by their
     global count (what one process computes on the whole batch), however the targets fall on ranks and
     micro-batches: count · (data-parallel replicas, whose gradients are averaged) · (micro-batches, whose
-    losses the step averages) / global count. One all-reduce of the rank's count over the replicas.
-    None without the mask: each micro-batch's mean, as every micro-batch then counts alike.
+    losses the step averages) / global count. One all-reduce of the rank's count over the replicas. Also
+    for prompt/response data (its prompt targets do not count). None otherwise: each micro-batch's mean,
+    as every micro-batch then counts alike.
 
     `read` false (a dry run, on fake tensors): no count can be read; the scale of a batch without
     boundaries stands in."""
-    if run.shape.eos_id is None:
+    if run.shape.eos_id is None and not run.batches.loss_masked:
         return None
     group = run.meshes.dp_cp
     steps = run.shape.microbatches if run.pipe is not None else run.shape.accum_steps
