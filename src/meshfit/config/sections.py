@@ -137,6 +137,9 @@ class ParallelSection(_Section):
     # Context parallelism: each sequence split over cp ranks (parallel/context_parallel.py); they hold the
     # same weights, sharded with dp_shard when zero_stage ≥ 1.
     cp: int = 1
+    # Expert parallelism: each Mixture-of-Experts block's routed experts split over ep of the dp_shard ranks
+    # (parallel/expert_parallel.py); it takes no ranks of its own, so ep divides dp_shard.
+    ep: int = 1
     # 0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP). None: 3 when
     # dp_shard > 1, else 0. Sharding happens across dp_shard; dp_replicate replicates (HSDP).
     zero_stage: int | None = None
@@ -153,6 +156,13 @@ class ParallelSection(_Section):
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (needs tp > 1)
 
     _check = field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp")(_degree)
+
+    @field_validator("ep")
+    @classmethod
+    def _ep(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be ≥ 1 (1: every expert on every data-parallel rank)")
+        return value
 
     @field_validator("zero_stage")
     @classmethod

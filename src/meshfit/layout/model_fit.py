@@ -61,3 +61,27 @@ def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int) -> str | Non
                     "under data parallelism only for now (DDP, ZeRO-1/2/3, FSDP, HSDP); use "
                     f"{field}=1 and give the ranks to parallel.dp_shard")
     return None
+
+
+def expert_parallel_error(model: ModelConfig, ep: int, dp_shard: int, zero_stage: int, offload: bool) -> str | None:
+    """None when `ep` expert-parallel ranks can hold this model's routed experts; else why not.
+
+    The ep ranks are borrowed from the dp_shard ranks (each group of ep consecutive dp_shard ranks splits the
+    experts; the groups replicate them), so ep divides dp_shard and the expert count. The dense parts stay
+    under FSDP (ZeRO-1/2/3); the expert shards are replicated over the other dp_shard/ep ranks with their
+    gradients all-reduced there, which is implemented next to FSDP only: DDP (zero_stage=0) and offload
+    are refused."""
+    if ep == 1:
+        return None
+    if not model.moe:
+        return f"parallel.ep={ep} splits Mixture-of-Experts experts, but the model has none (model.moe_experts is unset)"
+    if dp_shard % ep:
+        return (f"parallel.ep={ep} must divide parallel.dp_shard={dp_shard} (expert parallelism borrows its ranks "
+                "from the data-parallel shard ranks)")
+    if model.moe_experts % ep:
+        return f"parallel.ep={ep} must divide model.moe_experts={model.moe_experts} (each rank holds as many experts)"
+    if zero_stage == 0:
+        return f"parallel.ep={ep} needs parallel.zero_stage ≥ 1 (the dense parts under FSDP); DDP is not supported with it"
+    if offload:
+        return f"parallel.ep={ep} does not support parallel.offload=true (the expert shards stay on the device)"
+    return None

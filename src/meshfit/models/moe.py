@@ -12,7 +12,7 @@
 * ``LocalDispatcher``: sorts the routed copies of the tokens by expert (dropping those over an expert's
   capacity), and adds the experts' weighted outputs back per token. The block calls it and nothing else
   about where experts live: expert parallelism replaces it by a dispatcher that exchanges the sorted tokens
-  between ranks.
+  between ranks (parallel/expert_parallel.py).
 
 The block reads no parallel size. What it counts for the step (tokens per expert, dropped tokens, the
 auxiliary loss) stays on the module until the trainer takes it (models/moe_stats.py).
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfit.models.config import ModelConfig
 
@@ -66,6 +67,10 @@ class Router(nn.Module):
         return scores, chosen, gates * self.route_scale
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _aligned(t: torch.Tensor) -> bool:
     # torch._grouped_mm wants 16-byte aligned row strides and start (the allocator aligns storages).
     size = t.element_size()
@@ -87,7 +92,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, D]: tokens sorted by expert, counts [E] of them per expert (rows past their sum are
         ignored, and come back as zeros)."""
-        w1, w2, w3 = self.w1.to(x.dtype), self.w2.to(x.dtype), self.w3.to(x.dtype)
+        # Under expert parallelism the weights are DTensors of global shape; the kernel takes this rank's
+        # experts (the dispatcher sorted the tokens by them).
+        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if self._grouped(x, w1, w2, w3):
             offsets = counts.cumsum(0).to(torch.int32)
             # Rows past the groups (dropped copies) come out of the kernel undefined, in forward and in the
@@ -127,6 +134,7 @@ class Routed:
     dropped: torch.Tensor  # () copies over capacity
     source: torch.Tensor  # [T·k] the token each sorted row came from
     gates: torch.Tensor  # [T·k] its gate value (0 where dropped), fp32
+    back: object = None  # what a dispatcher that moved the tokens needs to bring the outputs back
 
 
 class LocalDispatcher:

@@ -83,20 +83,24 @@ def precision_policy(stage: int, mixed_precision: bool, reduce_dtype: str = "fp3
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precision: bool, offload: bool,
-               reduce_dtype: str = "fp32", max_unit_params: int | None = None) -> None:
+               reduce_dtype: str = "fp32", max_unit_params: int | None = None,
+               ignored: set[nn.Parameter] | None = None) -> None:
     """fully_shard each transformer block (as smaller units when it holds more than `max_unit_params`
-    parameters: parallel/fsdp_units.py), then the root (embeddings, final norm, head), on meta."""
+    parameters: parallel/fsdp_units.py), then the root (embeddings, final norm, head), on meta.
+    `ignored`: parameters FSDP leaves alone (expert-parallel shards, parallel/expert_parallel.py)."""
     # Pinned host memory needs an accelerator; on a CPU-only build plain memory is the host memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     # Stage 0 (replicas of tensor-parallel weights): the gathered compute copies are freed after each
     # block, as at stage 3; the "shards" are whole.
     mp_policy = precision_policy(stage, mixed_precision, reduce_dtype)
-    kwargs = dict(mesh=mesh, reshard_after_forward=stage in (0, 3), offload_policy=policy)
+    kwargs = dict(mesh=mesh, reshard_after_forward=stage in (0, 3), offload_policy=policy, ignored_params=ignored)
     # Blocks take 16-bit hidden states from the embedding or the block before; casting their other inputs
     # would make a 16-bit copy of Llama's fp32 RoPE tables in every block (and rotate in 16 bits).
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for block in model.layers.values():
         for unit in sub_units(block, max_unit_params):
+            if ignored and all(p in ignored for p in unit.parameters()):
+                continue  # nothing of it for FSDP to shard
             fully_shard(unit, mp_policy=block_policy, **kwargs)
         fully_shard(block, mp_policy=block_policy, **kwargs)
     fully_shard(model, mp_policy=mp_policy, **kwargs)

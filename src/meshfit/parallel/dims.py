@@ -28,6 +28,10 @@ class Meshes:
     dp: DeviceMesh
     dp_cp: DeviceMesh
     shard: DeviceMesh
+    # parallel.ep > 1: (dp_replicate, edp, ep) over the same ranks, dp_shard split as edp × ep (ep inner);
+    # the routed experts are sharded over `ep` and replicated over the flattened `edp_all` (the rest).
+    experts: DeviceMesh | None = None
+    expert_replicas: DeviceMesh | None = None  # edp_all
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.dp if name == "dp" else self.world[name]
@@ -42,10 +46,11 @@ class ParallelDims:
     tp: int
     pp: int
     cp: int = 1
+    ep: int = 1  # borrowed from dp_shard: not a factor of the world size
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int | None, tp: int, pp: int, world_size: int,
-                zero_stage: int | None = None, cp: int = 1) -> ParallelDims:
+                zero_stage: int | None = None, cp: int = 1, ep: int = 1) -> ParallelDims:
         """Fill in at most one -1 degree ("the rest") and check the product equals world_size.
 
         dp_shard None (unset): the data-parallel rest of rules.data_parallel_rest (zero_stage decides
@@ -68,7 +73,7 @@ class ParallelDims:
                     f"{world_size} (divisors: {', '.join(map(str, divisors(world_size)))})"
                 )
             degrees[free[0]] = world_size // known
-        dims = cls(**degrees)
+        dims = cls(**degrees, ep=ep)
         dims.check(world_size)
         return dims
 
@@ -100,6 +105,16 @@ class ParallelDims:
         world = init_device_mesh(device_type, tuple(getattr(self, n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
         dp = world["dp_replicate", "dp_shard"]._flatten("dp")
         if self.cp == 1:
-            return Meshes(world=world, dp=dp, dp_cp=dp, shard=world["dp_shard"])
+            return Meshes(world=world, dp=dp, dp_cp=dp, shard=world["dp_shard"], **self._expert_meshes(device_type))
         dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return Meshes(world=world, dp=dp, dp_cp=dp_cp, shard=world["dp_shard", "cp"]._flatten("dp_shard_cp"))
+
+    def _expert_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
+        """Meshes.experts and Meshes.expert_replicas; none without expert parallelism. Expert parallelism runs with
+        pp = cp = tp = 1 only (layout/model_fit.py refuses the others with Mixture-of-Experts blocks), so
+        ranks are numbered as in the world mesh's dp_replicate × dp_shard."""
+        if self.ep == 1:
+            return {}
+        shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "edp", "ep"))
+        return {"experts": mesh, "expert_replicas": mesh["dp_replicate", "edp"]._flatten("edp_all")}

@@ -14,7 +14,7 @@ import torch
 
 from meshfit.config import Config, ConfigError
 from meshfit.data import DataError, check_files
-from meshfit.layout.model_fit import moe_layout_error, pipeline_model_error, seq_len_error
+from meshfit.layout.model_fit import expert_parallel_error, moe_layout_error, pipeline_model_error, seq_len_error
 from meshfit.layout.rules import default_zero_stage, layout_error
 from meshfit.layout.schedules import default_virtual_stages, least_microbatches
 from meshfit.models import ModelConfig
@@ -219,7 +219,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     """Validate `cfg` for `world_size` ranks; raises ConfigError with the field and valid choices."""
     p = cfg.parallel
     try:
-        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size, p.zero_stage, p.cp)
+        dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size, p.zero_stage, p.cp, p.ep)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     model = cfg.model.resolve()
@@ -232,6 +232,8 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     _check_memory(cfg)
     _check_compile(cfg)
     stage = _layout(cfg, dims)
+    if error := expert_parallel_error(model, dims.ep, dims.dp_shard, stage, p.offload):
+        raise ConfigError(error)
     if dims.cp > 1 and (error := cp_degree_error(dims.cp, cfg.train.seq_len)):
         raise ConfigError(error)
     # Under context parallelism sequence parallelism splits each rank's part of the sequence.

@@ -1,0 +1,99 @@
+"""Expert parallelism: each MoE block's routed experts split over the `ep` ranks of the expert mesh.
+
+The ep ranks are borrowed from the data-parallel shard ranks (torchtitan's "dp2ep"): every rank still
+reads its own tokens; after routing, each rank sends the copies of its tokens to the rank holding their
+expert and gets the outputs back (two all-to-alls per block in forward, two in backward). The experts'
+parameters keep their global shape as DTensors `Shard(0)` over `ep`, so checkpoints reshard across ep.
+
+Gradients: the backward all-to-all brings every ep rank's contribution to an expert's gradient to the rank
+that holds it; summing over the replicas of that shard (`edp_all`: dp_replicate × dp_shard/ep ranks) then
+gives the sum over every data-parallel rank, which is divided by the full data-parallel size, as FSDP
+averages the dense gradients. Dividing by the replicas' count only would leave expert gradients ep times
+too large (DeepSpeed-MoE's bug #5618). The expert shards are not FSDP's: they stay whole on each replica.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from meshfit.models.moe import GroupedExperts, LocalDispatcher, MoE, Routed
+
+
+def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+              group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all of rows with uneven (and zero) splits; its backward is the reverse all-to-all."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(rows, out_splits, in_splits, group))
+
+
+class AllToAllDispatcher(LocalDispatcher):
+    """Sorts the routed copies by expert as the local dispatcher does, then exchanges them within the ep
+    group: rank r holds experts [r·E/ep, (r+1)·E/ep). Dropped copies (past capacity) stay home."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.ranks = dist.get_world_size(group)
+
+    def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, experts: int,
+                 capacity_factor: float | None) -> Routed:
+        routed = super().dispatch(x, chosen, gates, experts, capacity_factor)
+        local = experts // self.ranks
+        # Counts first: what each rank sends to each of my experts, [ranks, local experts].
+        received = torch.empty_like(routed.counts)
+        dist.all_to_all_single(received, routed.counts, group=self.group)
+        received = received.view(self.ranks, local)
+        send = routed.counts.view(self.ranks, local).sum(1).tolist()  # a host sync: split sizes
+        recv = received.sum(1).tolist()
+        kept = sum(send)
+        rows = _exchange(routed.tokens[:kept], recv, send, self.group)
+        # Rank-major (each sender's block sorted by my experts) -> expert-major for the expert kernel.
+        expert_of = torch.arange(local, device=x.device).repeat(self.ranks).repeat_interleave(received.reshape(-1))
+        order = expert_of.argsort(stable=True)
+        routed.back = (order, send, recv, routed.tokens.shape[0])
+        routed.tokens, routed.counts = rows[order], received.sum(0)
+        return routed
+
+    def combine(self, out: torch.Tensor, routed: Routed, tokens: int) -> torch.Tensor:
+        order, send, recv, sorted_rows = routed.back
+        rank_major = out.index_select(0, order.argsort())
+        home = _exchange(rank_major, send, recv, self.group)
+        padded = torch.cat([home, home.new_zeros(sorted_rows - home.shape[0], home.shape[-1])])
+        return super().combine(padded, routed, tokens)
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    return [m.experts for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """On meta: shard every MoE block's routed experts over mesh["ep"] and give the block the all-to-all
+    dispatcher. Returns the expert parameters (FSDP leaves them alone)."""
+    ep_mesh = mesh["ep"]
+    dispatcher = AllToAllDispatcher(ep_mesh.get_group())
+    params: set[nn.Parameter] = set()
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.dispatcher = dispatcher
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None))
+            setattr(moe.experts, name, sharded)
+            params.add(sharded)
+    return params
+
+
+@torch.no_grad()
+def reduce_expert_grads(model: nn.Module, replicas: DeviceMesh, dp_size: int) -> None:
+    """After the step's last backward: sum each expert shard's gradient over its `replicas` (the expert
+    mesh's edp_all) and divide by the data-parallel size (the average every dense gradient gets)."""
+    group = replicas.get_group()
+    for experts in expert_modules(model):
+        for p in experts.parameters():
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if replicas.size() > 1:
+                dist.all_reduce(grad, group=group)
+            grad.div_(dp_size)
