@@ -138,6 +138,11 @@ def test_parameter_counts_are_the_built_models(name: str) -> None:
     (["parallel.tp=2"], "parallel.tp=2: Mixture-of-Experts models"),
     (["parallel.pp=2"], "parallel.pp=2: Mixture-of-Experts models"),
     (["parallel.cp=2"], "parallel.cp=2: Mixture-of-Experts models"),
+    (["parallel.ep=3"], "parallel.ep=3 must divide parallel.dp_shard=2"),
+    (["model.moe_experts=3", "parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=3"),
+    (["parallel.ep=2", "parallel.zero_stage=0"], "parallel.ep=2 must divide parallel.dp_shard=1"),
+    (["parallel.ep=2", "parallel.offload=true"], "parallel.ep=2 does not support parallel.offload"),
+    (["model.preset=tiny", "parallel.ep=2"], "parallel.ep=2 splits Mixture-of-Experts experts, but the model"),
 ])
 def test_bad_settings_are_one_line_naming_the_field(overrides: list[str], needle: str,
                                                     capsys: pytest.CaptureFixture) -> None:

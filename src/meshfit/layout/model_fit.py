@@ -63,7 +63,7 @@ def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int) -> str | Non
     return None
 
 
-def expert_parallel_error(model: ModelConfig, ep: int, dp_shard: int, zero_stage: int, offload: bool) -> str | None:
+def expert_parallel_error(model: ModelConfig, ep: int, dp_shard: int, offload: bool) -> str | None:
     """None when `ep` expert-parallel ranks can hold this model's routed experts; else why not.
 
     The ep ranks are borrowed from the dp_shard ranks (each group of ep consecutive dp_shard ranks splits the
@@ -80,8 +80,6 @@ def expert_parallel_error(model: ModelConfig, ep: int, dp_shard: int, zero_stage
                 "from the data-parallel shard ranks)")
     if model.moe_experts % ep:
         return f"parallel.ep={ep} must divide model.moe_experts={model.moe_experts} (each rank holds as many experts)"
-    if zero_stage == 0:
-        return f"parallel.ep={ep} needs parallel.zero_stage ≥ 1 (the dense parts under FSDP); DDP is not supported with it"
     if offload:
         return f"parallel.ep={ep} does not support parallel.offload=true (the expert shards stay on the device)"
     return None

@@ -232,7 +232,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     _check_memory(cfg)
     _check_compile(cfg)
     stage = _layout(cfg, dims)
-    if error := expert_parallel_error(model, dims.ep, dims.dp_shard, stage, p.offload):
+    if error := expert_parallel_error(model, dims.ep, dims.dp_shard, p.offload):
         raise ConfigError(error)
     if dims.cp > 1 and (error := cp_degree_error(dims.cp, cfg.train.seq_len)):
         raise ConfigError(error)
