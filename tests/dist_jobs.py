@@ -206,3 +206,38 @@ def init_from_job(cfg_dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def train_layouts_job(cfg_dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """train_job for several layouts of the same world size, one after the other on these ranks."""
     return {name: train_job(cfg) for name, cfg in cfg_dicts.items()}
+
+
+def moe_steps_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """Train cfg's steps (no run folder); the losses, gradient norms, tokens per expert, the routers' expert
+    biases afterwards, and each expert weight's (global shape, shape held here)."""
+    from torch.distributed.tensor import DTensor
+
+    from meshfit.models.moe import MoE
+    from meshfit.train.run import build_run
+    from meshfit.train.trainer import train_step
+
+    cfg = config_from_dict(cfg_dict)
+    run = build_run(cfg, init_distributed(cfg.train.device), None)
+    records = [train_step(run) for _ in range(cfg.train.steps)]
+    moes = [m for m in run.model.modules() if isinstance(m, MoE)]
+    shapes = {name: (tuple(p.shape), tuple((p.to_local() if isinstance(p, DTensor) else p).shape))
+              for m in moes for name, p in m.experts.named_parameters()}
+    return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+            "tokens": [r["moe_tokens_max"] for r in records], "shapes": shapes,
+            "biases": [m.router.expert_bias.tolist() for m in moes]}
+
+
+def moe_layouts_job(cfg_dicts: dict[str, dict[str, Any]],
+                    resume: tuple[dict[str, Any], dict[str, Any], str] | None = None) -> dict[str, Any]:
+    """moe_steps_job for each layout on these ranks; with `resume` (a, b, folder): then the first 5 steps
+    under config a, saved in the folder, and the rest resumed there under config b (losses: "resumed")."""
+    out: dict[str, Any] = {name: moe_steps_job(cfg) for name, cfg in cfg_dicts.items()}
+    if resume is not None:
+        first, second = config_from_dict(resume[0]), config_from_dict(resume[1])
+        env = init_distributed(first.train.device)
+        stopped = train(first.model_copy(update={"train": first.train.model_copy(update={"stop_after": 5})}),
+                        env, Path(resume[2]))
+        again = second.model_copy(update={"checkpoint": second.checkpoint.model_copy(update={"resume": True})})
+        out["resumed"] = stopped["losses"] + train(again, env, Path(resume[2]))["losses"]
+    return out
