@@ -1,7 +1,8 @@
 """Expert parallelism (parallel.ep) trains a Mixture-of-Experts model as one process does: ep 2 on 2 ranks
 and ep 2 over 4 data-parallel ranks (each expert shard then has a replica whose gradient joins it), fp32,
 dropless, 10 steps: the same losses and gradient norms (≤ 1e-5), the same tokens per expert and expert
-biases, each rank holding half of the experts. A run saved under ep 2 resumes under ep 1 with the same
+biases, each rank holding half of the experts; with a capacity factor (copies dropped before the
+exchange) and the auxiliary loss on 2 ranks too. A run saved under ep 2 resumes under ep 1 with the same
 losses (the experts are stored at global shape)."""
 
 import pytest
@@ -12,6 +13,7 @@ from meshfit.util.ranks import run_ranks
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
 BASE = ["model.preset=tiny-moe", "model.moe_bias_update_rate=0.001"]
+CAPACITY = ["model.moe_capacity_factor=1.0", "model.moe_aux_loss_coeff=0.01"]
 
 
 def _close(a: list[float], b: list[float]) -> float:
@@ -25,9 +27,10 @@ def _same(run: dict, ref: dict) -> None:
     assert run["biases"] == ref["biases"] and any(b != 0 for bias in ref["biases"] for b in bias)
 
 
-def _reference(ranks: int) -> dict:
-    # One process, micro-batches as large as one rank's batch.
-    return run_ranks(moe_layouts_job, 1, {"ref": parity_config(*BASE, f"train.micro_batch={8 // ranks}")})[0]["ref"]
+def _reference(ranks: int, **variants: list[str]) -> dict:
+    # One process, micro-batches as large as one rank's batch (capacity and auxiliary loss are a micro-batch's).
+    cfgs = {name: parity_config(*BASE, f"train.micro_batch={8 // ranks}", *extra) for name, extra in variants.items()}
+    return run_ranks(moe_layouts_job, 1, cfgs)[0]
 
 
 def _halved(run: dict) -> None:
@@ -36,16 +39,20 @@ def _halved(run: dict) -> None:
 
 
 def test_ep2_on_two_ranks_trains_as_one_process_and_resumes_under_ep1(tmp_path) -> None:
-    ref = _reference(2)
+    ref = _reference(2, plain=[], capacity=CAPACITY)
     ep2, ep1 = (parity_config(*BASE, "parallel.dp_shard=2", f"parallel.ep={ep}") for ep in (2, 1))
-    out = run_ranks(moe_layouts_job, 2, {"ep2": ep2}, (ep2, ep1, str(tmp_path / "resume")), timeout_s=360)[0]
+    capacity = parity_config(*BASE, *CAPACITY, "parallel.dp_shard=2", "parallel.ep=2")
+    out = run_ranks(moe_layouts_job, 2, {"ep2": ep2, "capacity": capacity}, (ep2, ep1, str(tmp_path / "resume")),
+                    timeout_s=360)[0]
     _halved(out["ep2"])
-    _same(out["ep2"], ref)
-    assert _close(out["resumed"], ref["losses"]) <= 1e-5
+    _same(out["ep2"], ref["plain"])
+    _same(out["capacity"], ref["capacity"])
+    assert out["capacity"]["dropped"] > 0 and out["ep2"]["dropped"] == 0
+    assert _close(out["resumed"], ref["plain"]["losses"]) <= 1e-5
 
 
 def test_ep2_over_four_data_parallel_ranks_trains_as_one_process() -> None:
-    ref = _reference(4)
+    ref = _reference(4, plain=[])["plain"]
     cfg = parity_config(*BASE, "parallel.dp_shard=4", "parallel.ep=2")
     out = run_ranks(moe_layouts_job, 4, {"ep2": cfg}, timeout_s=360)[0]
     _halved(out["ep2"])
