@@ -97,7 +97,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) > 1]
-        return " × ".join(parts) if parts else "single rank"
+        shown = " × ".join(parts) if parts else "single rank"
+        return f"{shown}, experts over ep={self.ep} of the dp_shard ranks" if self.ep > 1 else shown
 
     def build_mesh(self, device_type: str) -> Meshes:
         """The 5-D named mesh (size-1 dims included, so code can always slice by name) and the flattened
