@@ -12,7 +12,7 @@ import yaml
 
 from meshfit.commands.main import main
 from meshfit.config import load_config
-from meshfit.runs import show as show_mod
+from meshfit.runs import plots as show_mod  # the plots' figures are saved there
 from meshfit.train.metrics import MetricsLog
 from meshfit.util.units import fmt_bytes
 
