@@ -208,7 +208,7 @@ def _run_dir(path: Path, val: dict[int, object]) -> Path:
 
 def test_show_has_a_val_loss_column_and_markers(tmp_path: Path, capsys, monkeypatch) -> None:
     from meshfit.commands.main import main
-    from meshfit.runs import show as show_mod
+    from meshfit.runs import plots as show_mod  # the plots are saved there
 
     monkeypatch.chdir(tmp_path)  # short run names: the table keeps each row on one line
     _run_dir(tmp_path / "a", {2: 4.25, 4: 3.5})
