@@ -138,9 +138,9 @@ def test_parameter_counts_are_the_built_models(name: str) -> None:
     (["parallel.tp=2"], "parallel.tp=2: Mixture-of-Experts models"),
     (["parallel.pp=2"], "parallel.pp=2: Mixture-of-Experts models"),
     (["parallel.cp=2"], "parallel.cp=2: Mixture-of-Experts models"),
-    (["parallel.ep=3"], "parallel.ep=3 must divide parallel.dp_shard=2"),
+    (["parallel.ep=3"], "parallel.ep=3 must divide parallel.dp_shard × parallel.cp = 2 × 1"),
     (["model.moe_experts=3", "parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=3"),
-    (["parallel.ep=2", "parallel.zero_stage=0"], "parallel.ep=2 must divide parallel.dp_shard=1"),
+    (["parallel.ep=2", "parallel.zero_stage=0"], "parallel.ep=2 must divide parallel.dp_shard × parallel.cp = 1 × 1"),
     (["parallel.ep=2", "parallel.offload=true"], "parallel.ep=2 does not support parallel.offload"),
     (["model.preset=tiny", "parallel.ep=2"], "parallel.ep=2 splits Mixture-of-Experts experts, but the model"),
 ])

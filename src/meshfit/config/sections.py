@@ -137,8 +137,8 @@ class ParallelSection(_Section):
     # Context parallelism: each sequence split over cp ranks (parallel/context_parallel.py); they hold the
     # same weights, sharded with dp_shard when zero_stage ≥ 1.
     cp: int = 1
-    # Expert parallelism: each Mixture-of-Experts block's routed experts split over ep of the dp_shard ranks
-    # (parallel/expert_parallel.py); it takes no ranks of its own, so ep divides dp_shard.
+    # Expert parallelism: each Mixture-of-Experts block's routed experts split over ep of the dp_shard × cp
+    # ranks (parallel/expert_parallel.py); it takes no ranks of its own, so ep divides dp_shard × cp.
     ep: int = 1
     # 0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP). None: 3 when
     # dp_shard > 1, else 0. Sharding happens across dp_shard; dp_replicate replicates (HSDP).

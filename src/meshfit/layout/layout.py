@@ -36,6 +36,9 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # Expert parallelism: each Mixture-of-Experts block's routed experts split over ep of the dp_shard × cp
+    # ranks (it takes no ranks of its own; parallel/expert_parallel.py).
+    ep: int = 1
     zero_stage: int = 0
     offload: bool = False
     activation_checkpointing: str = "none"
@@ -63,7 +66,7 @@ class Layout:
 
     def check(self) -> None:
         """Raise ValueError naming the field when the layout cannot run (independent of the model)."""
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages", "micro_batch", "max_unit_params"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "max_unit_params"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"layout {name}={value!r} must be a positive integer")
@@ -77,7 +80,7 @@ class Layout:
         error = layout_error(dp_shard=self.dp_shard, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp,
                              zero_stage=self.zero_stage,
                              offload=self.offload, sp=self.sp, loss_parallel=self.loss_parallel,
-                             schedule=self.schedule, virtual_stages=self.virtual_stages, cp=self.cp,
+                             schedule=self.schedule, virtual_stages=self.virtual_stages, cp=self.cp, ep=self.ep,
                              activation_checkpointing=self.activation_checkpointing, config_names=False)
         if error:
             raise ValueError(error)
@@ -96,6 +99,8 @@ class Layout:
             parts.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[self.zero_stage])
         if self.cp > 1:
             parts.append(f"cp={self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + ("+sp" if self.sp else "") + ("+lp" if self.loss_parallel else ""))
         if self.pp > 1:
@@ -126,7 +131,7 @@ class Layout:
     def config_sections(self, global_batch: int) -> dict[str, dict[str, Any]]:
         """The config sections (typed values, the trainer's own field names) that make `meshfit train` run
         exactly this layout."""
-        parallel = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage",
+        parallel = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero_stage",
                                                   "offload", "sp", "loss_parallel", "activation_checkpointing",
                                                   "reduce_dtype", "max_unit_params")}
         if self.pp > 1:

@@ -63,21 +63,21 @@ def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int) -> str | Non
     return None
 
 
-def expert_parallel_error(model: ModelConfig, ep: int, dp_shard: int, offload: bool) -> str | None:
+def expert_parallel_error(model: ModelConfig, ep: int, shard: int, offload: bool) -> str | None:
     """None when `ep` expert-parallel ranks can hold this model's routed experts; else why not.
 
-    The ep ranks are borrowed from the dp_shard ranks (each group of ep consecutive dp_shard ranks splits the
-    experts; the groups replicate them), so ep divides dp_shard and the expert count. The dense parts stay
-    under FSDP (ZeRO-1/2/3); the expert shards are replicated over the other dp_shard/ep ranks with their
-    gradients all-reduced there, which is implemented next to FSDP only: DDP (zero_stage=0) and offload
-    are refused."""
+    The ep ranks are borrowed from the `shard` ranks (dp_shard × cp: each group of ep consecutive ones
+    splits the experts; the groups replicate them), so ep divides them (layout/rules.py) and the expert
+    count. The dense parts stay under FSDP (ZeRO-1/2/3); the expert shards are replicated over the other
+    ranks with their gradients all-reduced there, which is implemented next to FSDP only: DDP
+    (zero_stage=0) and offload are refused."""
     if ep == 1:
         return None
     if not model.moe:
         return f"parallel.ep={ep} splits Mixture-of-Experts experts, but the model has none (model.moe_experts is unset)"
-    if dp_shard % ep:
-        return (f"parallel.ep={ep} must divide parallel.dp_shard={dp_shard} (expert parallelism borrows its ranks "
-                "from the data-parallel shard ranks)")
+    if shard % ep:
+        return (f"parallel.ep={ep} must divide parallel.dp_shard × parallel.cp = {shard} (expert parallelism "
+                "borrows its ranks from the data-parallel shard and context-parallel ranks)")
     if model.moe_experts % ep:
         return f"parallel.ep={ep} must divide model.moe_experts={model.moe_experts} (each rank holds as many experts)"
     if offload:

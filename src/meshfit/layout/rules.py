@@ -14,7 +14,7 @@ from meshfit.layout.schedules import (
 )
 
 # Config section of each field the rules name.
-SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel",
+SECTION = {"dp_shard": "parallel", "dp_replicate": "parallel", "tp": "parallel", "cp": "parallel", "ep": "parallel",
            "zero_stage": "parallel",
            "offload": "parallel", "sp": "parallel", "loss_parallel": "parallel", "schedule": "pipeline",
            "virtual_stages": "pipeline", "mixed_precision": "parallel", "activation_checkpointing": "parallel"}
@@ -52,7 +52,7 @@ def layout_error(*, config_names: bool, **fields: object) -> str | None:
     """What is wrong with this combination (naming the field and what would work), or None.
 
     ``fields``: dp_shard, tp, pp, zero_stage, offload, sp, loss_parallel, schedule, virtual_stages, and
-    optionally cp, dp_replicate, mixed_precision and activation_checkpointing.
+    optionally cp, ep, dp_replicate, mixed_precision and activation_checkpointing.
     """
     error = _first_error(_namer(config_names), **fields)  # type: ignore[arg-type]
     return error if error is None or config_names else f"layout {error}"
@@ -61,7 +61,10 @@ def layout_error(*, config_names: bool, **fields: object) -> str | None:
 def _first_error(name, *, dp_shard: int, tp: int, pp: int, zero_stage: int, offload: bool, sp: bool,
                  loss_parallel: bool, schedule: str, virtual_stages: int, cp: int = 1,
                  mixed_precision: bool = False, dp_replicate: int = 1,
-                 activation_checkpointing: str = "none") -> str | None:
+                 activation_checkpointing: str = "none", ep: int = 1) -> str | None:
+    if (dp_shard * cp) % ep:
+        return (f"{name('ep')}={ep} must divide {name('dp_shard')} × {name('cp')} = {dp_shard} × {cp} (expert "
+                "parallelism borrows its ranks from the data-parallel shard and context-parallel ranks)")
     if zero_stage == 0 and cp > 1 and (tp > 1 or mixed_precision):
         return (f"{name('cp')}={cp} with {name('zero_stage')}=0 replicates the weights on every context-parallel "
                 "rank, which meshfit does with DDP only in fp32 without tensor parallelism; use "

@@ -46,7 +46,7 @@ class ParallelDims:
     tp: int
     pp: int
     cp: int = 1
-    ep: int = 1  # borrowed from dp_shard: not a factor of the world size
+    ep: int = 1  # borrowed from dp_shard × cp: not a factor of the world size
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int | None, tp: int, pp: int, world_size: int,
@@ -98,7 +98,7 @@ class ParallelDims:
     def describe(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) > 1]
         shown = " × ".join(parts) if parts else "single rank"
-        return f"{shown}, experts over ep={self.ep} of the dp_shard ranks" if self.ep > 1 else shown
+        return f"{shown}, experts over ep={self.ep} of the dp_shard × cp ranks" if self.ep > 1 else shown
 
     def build_mesh(self, device_type: str) -> Meshes:
         """The 5-D named mesh (size-1 dims included, so code can always slice by name) and the flattened
@@ -108,14 +108,17 @@ class ParallelDims:
         if self.cp == 1:
             return Meshes(world=world, dp=dp, dp_cp=dp, shard=world["dp_shard"], **self._expert_meshes(device_type))
         dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return Meshes(world=world, dp=dp, dp_cp=dp_cp, shard=world["dp_shard", "cp"]._flatten("dp_shard_cp"))
+        return Meshes(world=world, dp=dp, dp_cp=dp_cp, shard=world["dp_shard", "cp"]._flatten("dp_shard_cp"),
+                      **self._expert_meshes(device_type))
 
     def _expert_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
-        """Meshes.experts and Meshes.expert_replicas; none without expert parallelism. Expert parallelism runs with
-        pp = cp = tp = 1 only (layout/model_fit.py refuses the others with Mixture-of-Experts blocks), so
-        ranks are numbered as in the world mesh's dp_replicate × dp_shard."""
+        """Meshes.experts and Meshes.expert_replicas; none without expert parallelism.
+
+        The expert mesh is (pp, dp_replicate, edp, ep, tp) over the world's ranks: dp_shard × cp (adjacent,
+        cp inner, in the world mesh) is split as edp × ep with ep inner, so the ep ranks of a group are
+        consecutive shard ranks, and a rank's pp, dp_replicate and tp coordinates are its world ones."""
         if self.ep == 1:
             return {}
-        shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "edp", "ep"))
+        shape = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "tp"))
         return {"experts": mesh, "expert_replicas": mesh["dp_replicate", "edp"]._flatten("edp_all")}

@@ -52,7 +52,7 @@ def _shape_error(model: ModelConfig, layout: Layout, workload: Workload) -> str 
     error = error or layout_error(dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, tp=layout.tp,
                                   pp=layout.pp, zero_stage=layout.zero_stage,
                                   offload=layout.offload, sp=layout.sp, loss_parallel=layout.loss_parallel,
-                                  schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp,
+                                  schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp, ep=layout.ep,
                                   mixed_precision=workload.precision != "fp32",
                                   activation_checkpointing=layout.activation_checkpointing, config_names=True)
     seq = "train.seq_len" if layout.cp == 1 else "train.seq_len/cp"

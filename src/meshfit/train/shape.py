@@ -83,7 +83,7 @@ def _layout(cfg: Config, dims: ParallelDims) -> int:
                          zero_stage=stage, offload=par.offload,
                          sp=par.sp, loss_parallel=par.loss_parallel, schedule=pipe.schedule,
                          virtual_stages=pipe.virtual_stages or default_virtual_stages(pipe.schedule),
-                         cp=dims.cp, mixed_precision=par.mixed_precision or cfg.train.precision == "bf16",
+                         cp=dims.cp, ep=dims.ep, mixed_precision=par.mixed_precision or cfg.train.precision == "bf16",
                          activation_checkpointing=par.activation_checkpointing, config_names=True)
     if error:
         raise ConfigError(error)
@@ -232,7 +232,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     _check_memory(cfg)
     _check_compile(cfg)
     stage = _layout(cfg, dims)
-    if error := expert_parallel_error(model, dims.ep, dims.dp_shard, p.offload):
+    if error := expert_parallel_error(model, dims.ep, dims.dp_shard * dims.cp, p.offload):
         raise ConfigError(error)
     if dims.cp > 1 and (error := cp_degree_error(dims.cp, cfg.train.seq_len)):
         raise ConfigError(error)
