@@ -201,17 +201,28 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        out = self._routed(flat)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x)
+
+    # torch.compile (train.compile) runs this part eagerly, a graph break on each side: the dispatch reads
+    # split sizes on the host (.tolist() under expert parallelism), the expert kernel is chosen by the
+    # storage alignment of its operands, and the counts are kept only outside a recomputing backward,
+    # which a traced graph could not tell apart. The rest of the block (attention, norms, shared experts)
+    # is compiled.
+    @torch.compiler.disable
+    def _routed(self, flat: torch.Tensor) -> torch.Tensor:
+        """The routed experts' gate-weighted outputs for the tokens `flat` [T, D]; counts them for the step."""
         scores, chosen, gates = self.router(flat)
         routed = self.dispatcher.dispatch(flat, chosen, gates, self.router.experts, self.capacity_factor)
         out = self.dispatcher.combine(self.experts(routed.tokens, routed.counts), routed, flat.shape[0])
-        if self.shared is not None:
-            out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
             # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.
             aux = load_balancing_loss(scores, routed.demand) * self.aux_coeff if self.aux_coeff > 0 else None
             if not _in_backward():
                 self._account(aux, scores, routed)
-        return out.view_as(x)
+        return out
 
     def _account(self, aux: torch.Tensor | None, scores: torch.Tensor, routed: Routed) -> None:
         self.aux_loss = aux if self.aux_loss is None or aux is None else self.aux_loss + aux
