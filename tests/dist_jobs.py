@@ -214,6 +214,7 @@ def moe_steps_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from meshfit.models.moe import MoE
+    from meshfit.parallel.compile import compiled_blocks
     from meshfit.train.run import build_run
     from meshfit.train.trainer import train_step
 
@@ -225,6 +226,7 @@ def moe_steps_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
               for m in moes for name, p in m.experts.named_parameters()}
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "tokens": [r["moe_tokens_max"] for r in records], "shapes": shapes,
+            "aux_losses": [r["moe_aux_loss"] for r in records], "compiled": compiled_blocks(run.model),
             "dropped": sum(r["moe_dropped_tokens"] for r in records),
             "biases": [m.router.expert_bias.tolist() for m in moes]}
 
