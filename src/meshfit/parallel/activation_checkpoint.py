@@ -23,6 +23,9 @@ _KEEP = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    # Expert parallelism's token exchange (parallel/expert_parallel.py): kept, not sent again in backward.
+    # The exchange of the per-expert counts before it (an in-place c10d op, a few integers) runs again.
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 
