@@ -2,7 +2,8 @@
 tiny-moe with the expert bias and the auxiliary loss on, dropless unless said, 10 steps; the same losses
 and gradient norms (≤ 1e-5), tokens per expert, auxiliary losses and expert biases.
 
-* ep 4 on 4 ranks, and HSDP (dp_replicate 2 × dp_shard 2) with ep 2: one 4-rank launch.
+* ep 4 on 4 ranks, HSDP (dp_replicate 2 × dp_shard 2) with ep 2, and ep 2 over dp_shard 4 with op-level
+  recompute (the expert shards' FSDP unit inside the recomputed block): one 4-rank launch.
 * ep 2 with activation checkpointing (every block, with a shared expert; op-level; every second block,
   under a capacity factor):
   the all-to-alls run again in the recomputed forward, and the block's tokens per expert, auxiliary loss
@@ -48,14 +49,17 @@ def _reference(ranks: int, **variants: list[str]) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_ep4_and_hsdp_with_ep2_on_four_ranks_train_as_one_process() -> None:
+def test_ep4_hsdp_and_op_recompute_on_four_ranks_train_as_one_process() -> None:
     ref = _reference(4, plain=[])["plain"]
     cfgs = {"ep4": parity_config(*BASE, "parallel.dp_shard=4", "parallel.ep=4"),
-            "hsdp": parity_config(*BASE, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2")}
+            "hsdp": parity_config(*BASE, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"),
+            "ep2-op": parity_config(*BASE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.activation_checkpointing=op")}
     out = run_ranks(moe_layouts_job, 4, cfgs, timeout_s=240)[0]
-    # tiny-moe: 8 experts of width 32 over dim 64.
+    # tiny-moe: 8 experts of width 32 over dim 64; ep4: 2 per rank; HSDP: 4 per rank, replicated; ep 2 over
+    # dp_shard 4: 4 per ep rank, FSDP-sharded over its 2 edp ranks (gathered inside the recomputed block).
     assert out["ep4"]["shapes"]["w1"] == ((8, 32, 64), (2, 32, 64))
     assert out["hsdp"]["shapes"]["w1"] == ((8, 32, 64), (4, 32, 64))
+    assert out["ep2-op"]["shapes"]["w1"] == ((8, 32, 64), (2, 32, 64))
     for name in cfgs:
         _same(out[name], ref)
 
