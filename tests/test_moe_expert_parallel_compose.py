@@ -9,8 +9,8 @@ and gradient norms (≤ 1e-5), tokens per expert, auxiliary losses and expert bi
   the all-to-alls run again in the recomputed forward, and the block's tokens per expert, auxiliary loss
   and bias update are taken once, not again in backward. With bf16 mixed precision against one process in
   bf16 (losses within 1e-3). One 2-rank launch.
-* ep 2 with compiled blocks (train.compile), alone and with every block recomputed, against one eager
-  process. One 2-rank launch; compiling costs ~20 s per graph here, so the inductor cache is the one
+* ep 2 with compiled blocks (train.compile), alone and with every block recomputed, and compiled blocks
+  without expert parallelism, against one eager process. One 2-rank launch; compiling costs ~20 s per graph here, so the inductor cache is the one
   tests/test_compile.py uses.
 """
 
@@ -89,9 +89,10 @@ def inductor_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_ep2_with_compiled_blocks_trains_as_one_eager_process(inductor_cache: None) -> None:
+def test_compiled_moe_blocks_with_and_without_ep_train_as_one_eager_process(inductor_cache: None) -> None:
     ref = _reference(2, plain=[])["plain"]
     cfgs = {"compiled": parity_config(*BASE, *EP2, "train.compile=true"),
+            "compiled-ep1": parity_config(*BASE, "parallel.dp_shard=2", "train.compile=true"),
             "compiled-full": parity_config(*BASE, *EP2, "train.compile=true",
                                            "parallel.activation_checkpointing=full")}
     out = run_ranks(moe_layouts_job, 2, cfgs, timeout_s=540)[0]
