@@ -5,13 +5,12 @@ and gradient norms (≤ 1e-5), tokens per expert, auxiliary losses and expert bi
 * ep 4 on 4 ranks, HSDP (dp_replicate 2 × dp_shard 2) with ep 2, and ep 2 over dp_shard 4 with op-level
   recompute (the expert shards' FSDP unit inside the recomputed block): one 4-rank launch.
 * ep 2 with activation checkpointing (every block, with a shared expert; op-level; every second block,
-  under a capacity factor):
-  the all-to-alls run again in the recomputed forward, and the block's tokens per expert, auxiliary loss
-  and bias update are taken once, not again in backward. With bf16 mixed precision against one process in
-  bf16 (losses within 1e-3). One 2-rank launch.
-* ep 2 with compiled blocks (train.compile), alone and with every block recomputed, and compiled blocks
-  without expert parallelism, against one eager process. One 2-rank launch; compiling costs ~20 s per graph here, so the inductor cache is the one
-  tests/test_compile.py uses.
+  under a capacity factor): the all-to-alls run again in the recomputed forward, and the block's tokens
+  per expert, auxiliary loss and bias update are taken once, not again in backward. With bf16 mixed
+  precision against one process in bf16 (losses within 1e-3). One 2-rank launch.
+* ep 2 with compiled blocks (train.compile), alone, with full and with op-level recompute, and compiled
+  blocks without expert parallelism, against one eager process. One 2-rank launch; compiling costs ~20 s
+  per graph here, so the inductor cache is the one tests/test_compile.py uses.
 """
 
 import tempfile
@@ -94,7 +93,8 @@ def test_compiled_moe_blocks_with_and_without_ep_train_as_one_eager_process(indu
     cfgs = {"compiled": parity_config(*BASE, *EP2, "train.compile=true"),
             "compiled-ep1": parity_config(*BASE, "parallel.dp_shard=2", "train.compile=true"),
             "compiled-full": parity_config(*BASE, *EP2, "train.compile=true",
-                                           "parallel.activation_checkpointing=full")}
+                                           "parallel.activation_checkpointing=full"),
+            "compiled-op": parity_config(*BASE, *EP2, "train.compile=true", "parallel.activation_checkpointing=op")}
     out = run_ranks(moe_layouts_job, 2, cfgs, timeout_s=540)[0]
     for name in cfgs:
         assert out[name]["compiled"] == 2  # tiny-moe's two blocks, the MoE one included
