@@ -17,8 +17,9 @@ from pathlib import Path
 from rich.console import Console
 
 from meshfit.demo.chart import memory_chart
-from meshfit.demo.tables import measured_table, parity_text, plan_table
-from meshfit.demo.trial import Entry, Trial, run_trial
+from meshfit.demo.scene import run_scene
+from meshfit.demo.tables import parity_text
+from meshfit.demo.trial import Entry, Trial
 from meshfit.layout.layout import Layout
 from meshfit.util.units import fmt_bytes, parse_bytes
 
@@ -41,14 +42,11 @@ def expert_trials(nproc: int) -> list[Trial]:
 
 
 def run_experts_scene(run_dir: Path, nproc: int, console: Console) -> list[Entry]:
-    trials, budget = expert_trials(nproc), EXPERTS_BUDGET[nproc]
+    budget = EXPERTS_BUDGET[nproc]
     limit = parse_bytes(budget)
-    console.print(f"\n[bold]Mixture of Experts.[/bold] The same model with 16 experts per block (top 2) under a "
-                  f"budget of {fmt_bytes(limit)}: the experts hold most of the weights, and ZeRO-3 gathers all "
-                  "of a block's experts to compute it.")
-    console.print(plan_table(trials, limit))
-    entries = [run_trial(t, run_dir, budget, console) for t in trials]
-    console.print(measured_table(entries, fmt_bytes(limit)))
+    entries = run_scene(f"Mixture of Experts. The same model with 16 experts per block (top 2) under a budget of "
+                        f"{fmt_bytes(limit)}: the experts hold most of the weights, and ZeRO-3 gathers all of a "
+                        "block's experts to compute it.", expert_trials(nproc), budget, run_dir, console)
     zero3, ep = entries
     if zero3.peak_mem_bytes and ep.peak_mem_bytes:
         console.print(f"Peak per rank: {fmt_bytes(zero3.peak_mem_bytes)} with ZeRO-3 alone, "
