@@ -10,6 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from meshfit.commands.main import main
+from meshfit.layout.stage_split import layer_flops
 from meshfit.config import ConfigError, load_config
 from meshfit.models import (
     build_model,
@@ -180,6 +181,19 @@ def test_parameter_counts_are_the_built_models(name: str) -> None:
     assert num_active_params(cfg) == num_params(cfg) - unused
     assert flops_per_token(cfg, 64) < flops_per_token(dataclasses.replace(cfg, moe_top_k=cfg.moe_experts), 64)
     assert _shares(cfg, 64, 1, 1, 1, False)[0].params == num_params(cfg)  # the planner's states count
+
+
+def test_the_stage_split_weighs_a_moe_block_by_its_active_experts() -> None:
+    # Every expert active and no dense block: the block computes as a dense SwiGLU as wide as all its
+    # experts together, plus the router's matmul.
+    every = dataclasses.replace(TINY, moe_dense_layers=0, moe_top_k=TINY.moe_experts)
+    wide = dataclasses.replace(TINY, moe_experts=None, moe_dense_layers=0,
+                               ffn_hidden=TINY.moe_experts * TINY.moe_hidden)
+    assert layer_flops(every, 64) == layer_flops(wide, 64) + 2 * TINY.dim * TINY.moe_experts
+    # The first block dense: the mean of its cost and the MoE blocks' stands for each block.
+    dense = dataclasses.replace(TINY, moe_experts=None, moe_dense_layers=0)
+    moe = dataclasses.replace(TINY, moe_dense_layers=0)
+    assert layer_flops(TINY, 64) == pytest.approx((layer_flops(dense, 64) + layer_flops(moe, 64)) / 2)
 
 
 @pytest.mark.parametrize("overrides, needle", [
