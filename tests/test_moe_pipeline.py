@@ -71,7 +71,9 @@ def test_pp2_schedules_train_as_one_process_and_resume_on_one_process(tmp_path) 
     ref = _reference(folder)
     diffs = {name: _same(ranks, name, ref["ref"]) for name in SCHEDULES}
     print("pp 2 vs one process:", diffs)
-    assert _close(ranks[0]["resumed"] + ref["resumed"], ref["ref"]["losses"]) <= 1e-5
+    resumed = _close(ranks[0]["resumed"] + ref["resumed"], ref["ref"]["losses"])
+    print("pp 2 for 5 steps, resumed on one process:", resumed)
+    assert resumed <= 1e-5
 
 
 def test_ep2_pp2_on_four_ranks_trains_as_one_process() -> None:
