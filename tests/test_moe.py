@@ -10,8 +10,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from meshfit.commands.main import main
-from meshfit.layout.stage_split import layer_flops
 from meshfit.config import ConfigError, load_config
+from meshfit.layout.stage_split import layer_flops
 from meshfit.models import (
     build_model,
     flops_per_token,
