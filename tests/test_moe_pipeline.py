@@ -1,9 +1,9 @@
 """Pipeline parallelism trains a Mixture-of-Experts model as one process does (fp32, dropless, the auxiliary
 loss and the expert bias on, 10 steps): pp 2 on 2 ranks under 1F1B, interleaved 1F1B (2 stages per rank),
 GPipe and ZBV (split backward, ZeRO-1), and ep 2 × pp 2 on 4 ranks (dp_shard 2): the same losses and
-gradient norms (≤ 1e-5), the same tokens per expert of every layer in every step record (a stage holds
-some blocks: the counts of the others come from the other stages) and the same expert biases. A run saved
-after 5 steps under pp 2 resumes on one process with the same losses.
+gradient norms (≤ 1e-5), the same auxiliary loss (≤ 1e-6) and tokens per expert of every layer in every
+step record (a stage holds some blocks: the counts of the others come from the other stages) and the same
+expert biases. A run saved after 5 steps under pp 2 resumes on one process with the same losses.
 
 Every run sees micro-batches of 2 sequences (the load-balancing loss is a micro-batch's): one process
 accumulates 4 of them; pp 2 runs 4 per step; ep 2 × pp 2 runs 2 per step on each of its 2 data-parallel
@@ -53,8 +53,10 @@ def _biases(ranks: list[dict], name: str) -> dict[int, list[float]]:
 
 def _same(ranks: list[dict], name: str, ref: dict) -> dict[str, float]:
     run = ranks[0][name]
-    diffs = {"loss": _close(run["losses"], ref["losses"]), "grad_norm": _close(run["grad_norms"], ref["grad_norms"])}
-    assert diffs["loss"] <= 1e-5 and diffs["grad_norm"] <= 1e-5, (name, diffs)
+    diffs = {"loss": _close(run["losses"], ref["losses"]), "grad_norm": _close(run["grad_norms"], ref["grad_norms"]),
+             "aux_loss": _close(run["aux_losses"], ref["aux_losses"])}
+    assert diffs["loss"] <= 1e-5 and diffs["grad_norm"] <= 1e-5 and diffs["aux_loss"] <= 1e-6, (name, diffs)
+    assert min(run["aux_losses"]) > 0
     assert run["moe_layers"] == ref["moe_layers"] == [1, 2, 3]
     assert run["tokens"] == ref["tokens"], name  # every layer's, in rank 0's records
     assert _biases(ranks, name) == ref["biases"], name
