@@ -49,7 +49,8 @@ def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int) -> str | Non
     under data parallelism (DDP, ZeRO-1/2/3, FSDP, HSDP) and pipeline stages (the auxiliary loss trains in
     its block) only for now: tensor parallelism has no plan for the routed experts, and context
     parallelism would balance each rank's chunk of a sequence rather than the sequence. q/k norms over the
-    whole projections (OLMoE) need the projections whole, which tensor parallelism splits."""
+    whole projections (OLMoE) need the projections whole, which tensor parallelism splits. Every `pp` runs
+    (kept in the signature: plan, verify and train ask with the whole layout)."""
     if tp > 1 and model.qk_norm and model.qk_norm_scope == "projection":
         return (f"parallel.tp={tp}: the model's q/k norms normalise the whole projections "
                 "(model.qk_norm_scope=projection), which tensor parallelism splits; use parallel.tp=1")
