@@ -46,20 +46,21 @@ def pipeline_model_error(model: ModelConfig, pp: int, virtual_stages: int) -> st
 
 def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int) -> str | None:
     """None when the layout runs this model's blocks as they are; else why not. Mixture-of-Experts blocks run
-    under data parallelism (DDP, ZeRO-1/2/3, FSDP, HSDP) only for now: tensor parallelism has no plan for the
-    routed experts, pipeline stages would need the auxiliary loss carried between stages, and context
+    under data parallelism (DDP, ZeRO-1/2/3, FSDP, HSDP) and pipeline stages (the auxiliary loss trains in
+    its block) only for now: tensor parallelism has no plan for the routed experts, and context
     parallelism would balance each rank's chunk of a sequence rather than the sequence. q/k norms over the
-    whole projections (OLMoE) need the projections whole, which tensor parallelism splits."""
+    whole projections (OLMoE) need the projections whole, which tensor parallelism splits. Every `pp` runs
+    (kept in the signature: plan, verify and train ask with the whole layout)."""
     if tp > 1 and model.qk_norm and model.qk_norm_scope == "projection":
         return (f"parallel.tp={tp}: the model's q/k norms normalise the whole projections "
                 "(model.qk_norm_scope=projection), which tensor parallelism splits; use parallel.tp=1")
     if not model.moe:
         return None
-    for field, degree in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.cp", cp)):
+    for field, degree in (("parallel.tp", tp), ("parallel.cp", cp)):
         if degree > 1:
             return (f"{field}={degree}: Mixture-of-Experts models (model.moe_experts={model.moe_experts}) train "
-                    "under data parallelism only for now (DDP, ZeRO-1/2/3, FSDP, HSDP); use "
-                    f"{field}=1 and give the ranks to parallel.dp_shard")
+                    "under data and pipeline parallelism only for now (DDP, ZeRO-1/2/3, FSDP, HSDP, parallel.pp); "
+                    f"use {field}=1 and give the ranks to parallel.dp_shard or parallel.pp")
     return None
 
 

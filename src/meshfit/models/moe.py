@@ -15,7 +15,9 @@
   between ranks (parallel/expert_parallel.py).
 
 The block reads no parallel size. What it counts for the step (tokens per expert, dropped tokens, the
-auxiliary loss) stays on the module until the trainer takes it (models/moe_stats.py).
+auxiliary loss) stays on the module until the trainer takes it (models/moe_stats.py). The auxiliary loss
+trains where the block is (``AuxLossScaler``), so no loss function elsewhere (a pipeline's last stage,
+another rank) needs to see it.
 """
 
 from __future__ import annotations
@@ -178,6 +180,23 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class AuxLossScaler(torch.autograd.Function):
+    """Returns the block's output unchanged and, in backward, gives the auxiliary loss the gradient `scale`:
+    the loss trains as if added to the step's loss, wherever that loss is computed (Megatron-Core's
+    MoEAuxLossAutoScaler has the same idea). `scale` is what the language-model loss of the micro-batch is
+    scaled by before it reaches the gradients (the trainer sets it: models/moe_stats.set_aux_loss_scale)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.aux_meta, ctx.scale = (aux.shape, aux.dtype, aux.device), scale
+        return out.view_as(out)  # a view: autograd needs a new tensor for the output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward now (activation checkpointing recomputing the forward)."""
     return torch._C._current_graph_task_id() != -1
@@ -196,7 +215,8 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff = cfg.moe_aux_loss_coeff
         self.bias_rate = cfg.moe_bias_update_rate
-        self.aux_loss: torch.Tensor | None = None  # this micro-batch's, until the trainer takes it
+        self.aux_grad_scale = 1.0  # the auxiliary loss's gradient (AuxLossScaler), set by the trainer
+        self.counting = True  # off while a pipeline stage runs a forward only to learn its shapes
         self.counted: dict[str, torch.Tensor] = {}  # this step's tokens per expert, dropped copies, aux loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,18 +229,19 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.
             aux = load_balancing_loss(scores, routed.demand) * self.aux_coeff if self.aux_coeff > 0 else None
-            if not _in_backward():
+            if aux is not None:
+                out = AuxLossScaler.apply(out, aux, self.aux_grad_scale)
+            if self.counting and not _in_backward():
                 self._account(aux, scores, routed)
         return out.view_as(x)
 
+    @torch.no_grad()
     def _account(self, aux: torch.Tensor | None, scores: torch.Tensor, routed: Routed) -> None:
-        self.aux_loss = aux if self.aux_loss is None or aux is None else self.aux_loss + aux
-        with torch.no_grad():
-            step = {"tokens": routed.demand.float(), "dropped": routed.dropped.float(),
-                    "aux_loss": aux.detach() if aux is not None else scores.new_zeros(()),
-                    "micro_batches": scores.new_ones(())}
-            for key, value in step.items():
-                self.counted[key] = self.counted[key] + value if key in self.counted else value
+        step = {"tokens": routed.demand.float(), "dropped": routed.dropped.float(),
+                "aux_loss": aux.detach() if aux is not None else scores.new_zeros(()),
+                "micro_batches": scores.new_ones(())}
+        for key, value in step.items():
+            self.counted[key] = self.counted[key] + value if key in self.counted else value
 
 
 def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor) -> torch.Tensor:

@@ -167,7 +167,7 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
             sps = (False, True) if tp > 1 and workload.seq_len // cp % tp == 0 else (False,)
             for pp in (p for p in _divisors(world // (tp * cp)) if p <= model.n_layers):
                 if moe_layout_error(model, tp, pp, cp):
-                    continue  # Mixture-of-Experts models: data parallelism only (layout/model_fit.py)
+                    continue  # Mixture-of-Experts models: data and pipeline parallelism only (layout/model_fit.py)
                 yield from _layouts(model, workload, world // (tp * cp * pp), tp, cp, pp, sps, acs, offloads,
                                     micro_batch)
 
