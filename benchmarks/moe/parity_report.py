@@ -13,6 +13,7 @@ hold those to 1e-3, the fp32 rows to 1e-5).
 from __future__ import annotations
 
 import argparse
+import re
 
 from meshfit.config import load_config
 from meshfit.models.moe import MoE
@@ -32,6 +33,13 @@ LAYOUTS: dict[str, tuple[int, int, list[str]]] = {
     "ep2 x hsdp 2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"]),
     "ep2 capacity 1.0": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"]),
     "ep2 bf16": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.mixed_precision=true"]),
+    # Pipelines: 4 blocks (the first dense), 2 sequences per pipeline micro-batch.
+    **{f"pp2 {schedule}": (2, 1, ["model.n_layers=4", "parallel.pp=2", f"pipeline.schedule={schedule}",
+                                  "pipeline.microbatches=4", *extra])
+       for schedule, extra in (("1f1b", []), ("interleaved-1f1b", ["pipeline.virtual_stages=2"]),
+                               ("gpipe", []))},
+    "ep2 x pp2": (4, 2, ["model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2",
+                         "pipeline.microbatches=2"]),
 }
 
 
@@ -40,7 +48,9 @@ def job(overrides: list[str]) -> dict:
     cfg = load_config(None, overrides)
     run = build_run(cfg, init_distributed("cpu"), None)
     records = [train_step(run) for _ in range(cfg.train.steps)]
-    biases = [m.router.expert_bias.tolist() for m in run.model.modules() if isinstance(m, MoE)]
+    # A pipeline rank holds its stage's blocks only: their biases are compared with the same layers'.
+    biases = {re.search(r"layers\.(\d+)", name).group(1): m.router.expert_bias.tolist()
+              for name, m in run.model.named_modules() if isinstance(m, MoE)}
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "tokens": [r["moe_tokens_max"] for r in records], "biases": biases}
 
@@ -55,13 +65,16 @@ def main() -> None:
     for name in chosen:
         nproc, dp, overrides = LAYOUTS[name]
         model = [o for o in overrides if o.startswith("model.")]
-        key = (dp, *model)
+        # Under a pipeline, micro-batches are the schedule's (2 sequences here); else one rank's batch.
+        micro = 2 if any(o.startswith("parallel.pp") for o in overrides) else 8 // dp
+        key = (micro, *model)
         if key not in refs:
-            refs[key] = run_ranks(job, 1, [*BASE, *model, f"train.micro_batch={8 // dp}"])[0]
+            refs[key] = run_ranks(job, 1, [*BASE, *model, f"train.micro_batch={micro}"])[0]
         ref, res = refs[key], run_ranks(job, nproc, [*BASE, *overrides])[0]
         dl = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"], strict=True))
         dg = max(abs(a - b) for a, b in zip(res["grad_norms"], ref["grad_norms"], strict=True))
-        same = {k: "equal" if res[k] == ref[k] else "DIFFER" for k in ("tokens", "biases")}
+        same = {"tokens": "equal" if res["tokens"] == ref["tokens"] else "DIFFER",
+                "biases": "equal" if all(ref["biases"][k] == v for k, v in res["biases"].items()) else "DIFFER"}
         print(f"{name:22s} {nproc:5d}  {dl:10.2e}   {dg:10.2e}      {same['tokens']:13s}  {same['biases']}", flush=True)
 
 
