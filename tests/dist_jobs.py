@@ -225,7 +225,7 @@ def moe_steps_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
               for m in moes for name, p in m.experts.named_parameters()}
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "tokens": [r["moe_tokens_max"] for r in records], "shapes": shapes,
-            "dropped": sum(r["moe_dropped_tokens"] for r in records),
+            "dropped": sum(r["moe_dropped_tokens"] for r in records), "aux": [r["moe_aux_loss"] for r in records],
             "biases": [m.router.expert_bias.tolist() for m in moes]}
 
 

@@ -21,6 +21,7 @@ auxiliary loss) stays on the module until the trainer takes it (models/moe_stats
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,9 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff = cfg.moe_aux_loss_coeff
         self.bias_rate = cfg.moe_bias_update_rate
+        # Set by the layout where this rank holds a part of each sequence (context parallelism): the mean of a
+        # tensor over the ranks holding the parts, so the auxiliary loss is the whole sequences'. None: whole.
+        self.sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.aux_loss: torch.Tensor | None = None  # this micro-batch's, until the trainer takes it
         self.counted: dict[str, torch.Tensor] = {}  # this step's tokens per expert, dropped copies, aux loss
 
@@ -208,7 +212,8 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
             # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.
-            aux = load_balancing_loss(scores, routed.demand) * self.aux_coeff if self.aux_coeff > 0 else None
+            aux = (load_balancing_loss(scores, routed.demand, self.sequence_mean) * self.aux_coeff
+                   if self.aux_coeff > 0 else None)
             if not _in_backward():
                 self._account(aux, scores, routed)
         return out.view_as(x)
@@ -223,10 +228,21 @@ class MoE(nn.Module):
                 self.counted[key] = self.counted[key] + value if key in self.counted else value
 
 
-def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor,
+                        sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Switch/GShard load-balancing loss, ``E · Σ_e f_e · P_e``: f_e the fraction of routed copies that chose
     expert e, P_e the mean probability it got (sigmoid scores normalised per token). 1 when balanced.
-    (transformers' ``load_balancing_loss_func`` is top_k times this, over all layers' tokens at once.)"""
+    (transformers' ``load_balancing_loss_func`` is top_k times this, over all layers' tokens at once.)
+
+    `sequence_mean`: these tokens are one part of each sequence, the other parts (as many tokens each) on
+    other ranks; f and P become the whole sequences' (one mean over the parts), so the loss is, on every part,
+    the one a process holding whole sequences computes (it is not linear in the tokens). Its gradient flows
+    through this part's P only, undivided: E·f_e per P_e, the whole loss's gradient times the number of
+    parts, which the average of the gradients over those ranks (as every dense gradient gets) divides back."""
     probs = scores / scores.sum(dim=-1, keepdim=True)
     fraction = demand.float() / demand.sum()
-    return scores.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+    mean_probs = probs.mean(dim=0)
+    if sequence_mean is not None:
+        whole = sequence_mean(torch.stack([fraction, mean_probs.detach()]))
+        fraction, mean_probs = whole[0], mean_probs + (whole[1] - mean_probs.detach())
+    return scores.shape[-1] * (fraction * mean_probs).sum()

@@ -87,7 +87,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Paramete
 @torch.no_grad()
 def reduce_expert_grads(model: nn.Module, replicas: DeviceMesh, dp_size: int) -> None:
     """After the step's last backward: sum each expert shard's gradient over its `replicas` (the expert
-    mesh's edp_all) and divide by the data-parallel size (the average every dense gradient gets)."""
+    mesh's edp_all) and divide by `dp_size`, the ranks every dense gradient is averaged over (data × context
+    parallel: cp ranks hold other tokens of the same sequences)."""
     group = replicas.get_group()
     for experts in expert_modules(model):
         for p in experts.parameters():

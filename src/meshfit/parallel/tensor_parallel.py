@@ -26,14 +26,15 @@ from torch.distributed.tensor.parallel import (
 from meshfit.models import ModelConfig
 
 
-def _block_plan(family: str, sp: bool, qk_norm: bool = False) -> dict[str, ParallelStyle]:
+def _block_plan(family: str, sp: bool, qk_norm: bool = False, moe: bool = False) -> dict[str, ParallelStyle]:
     residual = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
-    if family == "llama":
+    if not moe:
+        plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=residual)})
+    if family == "llama" and not moe:
         plan["feed_forward.w3"] = ColwiseParallel()
     if qk_norm:
         # Each rank normalises its own query and key heads ([b, s, heads, head_dim], heads split: Shard(2))
@@ -47,8 +48,9 @@ def _block_plan(family: str, sp: bool, qk_norm: bool = False) -> dict[str, Paral
             "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), *extra),
                                             desired_input_layouts=(Replicate(), *extra)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
+        if not moe:
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
 
 
@@ -78,7 +80,11 @@ def tp_plan(cfg: ModelConfig, *, sp: bool, loss_parallel: bool, layers: list[str
                                                              desired_input_layouts=(Shard(1),),
                                                              use_local_output=True)
     for name in layers:
-        plan.update({f"layers.{name}.{path}": style for path, style in _block_plan(cfg.family, sp, cfg.qk_norm).items()})
+        # A Mixture-of-Experts block stays whole on every tp rank: without sequence parallelism the residual
+        # stream reaches it as the same plain tensor on each (the attention's row-parallel output is
+        # replicated), so its router, experts and their gradients are the same on each, as the norms' are.
+        block = _block_plan(cfg.family, sp, cfg.qk_norm, moe=cfg.is_moe_layer(int(name)))
+        plan.update({f"layers.{name}.{path}": style for path, style in block.items()})
     return plan
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshfit.config import Config
@@ -81,6 +81,10 @@ def _forward_backward(run: Run, batch: Packed, scale: float | None) -> torch.Ten
         logits = run.model(batch.inputs.to(device), **batch.model_kwargs(device))
         loss = lm_loss(logits, batch.targets.to(device), run.shape.model.vocab_size, scale)
         aux = take_aux_loss(run.model)  # Mixture-of-Experts load balancing: trained, not reported as loss
+        if aux is not None and isinstance(loss, DTensor):
+            # Loss parallelism gives a DTensor replicated over tp; the MoE blocks, whole on every tp rank,
+            # computed the same auxiliary loss on each.
+            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
         run.tracker.phase = "backward"
         ((loss if aux is None else loss + aux) / run.shape.accum_steps).backward()
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -118,10 +122,11 @@ def _ddp(run: Run) -> bool:
 
 
 def _dp_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
-    """Sums a tensor in place over the data-parallel ranks (those that see different tokens)."""
-    if run.shape.dims.dp == 1:
+    """Sums a tensor in place over the ranks that see different tokens: the data-parallel ones and, under
+    context parallelism, the cp ranks holding the other parts of their sequences (not the tp ranks)."""
+    if run.shape.dims.dp * run.shape.dims.cp == 1:
         return None
-    group = run.meshes.dp.get_group()
+    group = run.meshes.dp_cp.get_group()
     return lambda t: torch.distributed.all_reduce(t, group=group)
 
 
@@ -129,7 +134,8 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
                     read: bool) -> tuple[torch.Tensor, Vote]:
     run.tracker.phase = "optimizer step"
     if run.meshes.experts is not None:
-        reduce_expert_grads(run.model, run.meshes.expert_replicas, run.shape.dims.dp)
+        # Averaged over the ranks the dense gradients are averaged over: data × context parallel.
+        reduce_expert_grads(run.model, run.meshes.expert_replicas, run.shape.dims.dp * run.shape.dims.cp)
     params = list(run.model.parameters())
     squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
     local_ok = guard.locally_finite(losses, squares) if guard is not None else True
