@@ -44,12 +44,11 @@ def pipeline_model_error(model: ModelConfig, pp: int, virtual_stages: int) -> st
     return None
 
 
-def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int, sp: bool = False) -> str | None:
+def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int) -> str | None:
     """None when the layout runs this model's blocks as they are; else why not. Mixture-of-Experts blocks run
     under data, expert, context and tensor parallelism (attention split, the MoE block whole on every tp
-    rank); not under sequence parallelism (each tp rank would route its own slice of the sequence, whose
-    router and expert gradients need a sum over tp that is not implemented) nor pipeline stages (the
-    auxiliary loss would have to be carried between stages). q/k norms over the whole projections (OLMoE)
+    rank; with sequence parallelism each routes its slice), not yet under pipeline stages (the auxiliary
+    loss would have to be carried between stages). q/k norms over the whole projections (OLMoE)
     need the projections whole, which tensor parallelism splits."""
     if tp > 1 and model.qk_norm and model.qk_norm_scope == "projection":
         return (f"parallel.tp={tp}: the model's q/k norms normalise the whole projections "
@@ -59,9 +58,6 @@ def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int, sp: bool = F
     if pp > 1:
         return (f"parallel.pp={pp}: Mixture-of-Experts models (model.moe_experts={model.moe_experts}) do not train "
                 "under pipeline parallelism yet; use parallel.pp=1 and give the ranks to parallel.dp_shard")
-    if tp > 1 and sp:
-        return (f"parallel.sp=true: Mixture-of-Experts models (model.moe_experts={model.moe_experts}) train under "
-                f"parallel.tp={tp} without sequence parallelism only; set parallel.sp=false")
     return None
 
 

@@ -31,6 +31,9 @@ from torch.distributed.tensor import DTensor
 
 from meshfit.models.config import ModelConfig
 
+# (fraction, mean probabilities) of one part of the sequences -> the whole sequences' (parallel/moe_parts.py).
+Parts = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -197,9 +200,9 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff = cfg.moe_aux_loss_coeff
         self.bias_rate = cfg.moe_bias_update_rate
-        # Set by the layout where this rank holds a part of each sequence (context parallelism): the mean of a
-        # tensor over the ranks holding the parts, so the auxiliary loss is the whole sequences'. None: whole.
-        self.sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Set by the layout where this rank holds a part of each sequence (context or sequence parallelism):
+        # the whole sequences' (f, P) of the auxiliary loss from this part's (parallel/moe_parts.py). None: whole.
+        self.sequence_parts: Parts | None = None
         self.aux_loss: torch.Tensor | None = None  # this micro-batch's, until the trainer takes it
         self.counted: dict[str, torch.Tensor] = {}  # this step's tokens per expert, dropped copies, aux loss
 
@@ -212,7 +215,7 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
             # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.
-            aux = (load_balancing_loss(scores, routed.demand, self.sequence_mean) * self.aux_coeff
+            aux = (load_balancing_loss(scores, routed.demand, self.sequence_parts) * self.aux_coeff
                    if self.aux_coeff > 0 else None)
             if not _in_backward():
                 self._account(aux, scores, routed)
@@ -228,21 +231,17 @@ class MoE(nn.Module):
                 self.counted[key] = self.counted[key] + value if key in self.counted else value
 
 
-def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor,
-                        sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor, parts: Parts | None = None) -> torch.Tensor:
     """Switch/GShard load-balancing loss, ``E · Σ_e f_e · P_e``: f_e the fraction of routed copies that chose
     expert e, P_e the mean probability it got (sigmoid scores normalised per token). 1 when balanced.
     (transformers' ``load_balancing_loss_func`` is top_k times this, over all layers' tokens at once.)
 
-    `sequence_mean`: these tokens are one part of each sequence, the other parts (as many tokens each) on
-    other ranks; f and P become the whole sequences' (one mean over the parts), so the loss is, on every part,
-    the one a process holding whole sequences computes (it is not linear in the tokens). Its gradient flows
-    through this part's P only, undivided: E·f_e per P_e, the whole loss's gradient times the number of
-    parts, which the average of the gradients over those ranks (as every dense gradient gets) divides back."""
+    `parts`: these tokens are one part of each sequence, the others on other ranks; it turns this part's f
+    and P into the whole sequences' (the loss is not linear in the tokens), so that every part computes the
+    loss a process holding whole sequences does, with a gradient the layout's reduction makes exact."""
     probs = scores / scores.sum(dim=-1, keepdim=True)
     fraction = demand.float() / demand.sum()
     mean_probs = probs.mean(dim=0)
-    if sequence_mean is not None:
-        whole = sequence_mean(torch.stack([fraction, mean_probs.detach()]))
-        fraction, mean_probs = whole[0], mean_probs + (whole[1] - mean_probs.detach())
+    if parts is not None:
+        fraction, mean_probs = parts(fraction, mean_probs)
     return scores.shape[-1] * (fraction * mean_probs).sum()

@@ -125,32 +125,14 @@ class ContextParallelMask:
         return additive(same_document(documents, keys) & (key_index[None, :] <= query_index[:, None]), dtype)
 
 
-class SequenceMean:
-    """The mean of a tensor over the cp ranks (no gradient through it): what a Mixture-of-Experts block
-    makes of its per-part statistics to get the whole sequences' (models/moe.py, the auxiliary loss)."""
-
-    def __init__(self, mesh: DeviceMesh) -> None:
-        self.cp = mesh.size()
-        self._group = mesh.get_group()
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        total = t.detach().clone()
-        torch.distributed.all_reduce(total, group=self._group)
-        return total / self.cp
-
-
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, seq_len: int) -> None:
-    """Split every block's attention across the 1-D `cp` mesh, tell the position tables (RoPE's, GPT's
-    learned positions) the global positions of this rank's tokens of `seq_len`-long sequences, and give
-    Mixture-of-Experts blocks the mean over the cp ranks, in place (on meta, after tensor parallelism,
-    before recompute and sharding)."""
+    """Split every block's attention across the 1-D `cp` mesh and tell the position tables (RoPE's, GPT's
+    learned positions) the global positions of this rank's tokens of `seq_len`-long sequences, in place
+    (on meta, after tensor parallelism, before recompute and sharding)."""
     for block in model.layers.values():
         block.attention.core = ContextParallelAttention(block.attention.core, mesh)
     model.mask_builder = ContextParallelMask(mesh)
     rows = local_positions(seq_len // mesh.size(), mesh.size(), mesh.get_local_rank())
-    mean = SequenceMean(mesh)
     for module in model.modules():
         if hasattr(module, "position_rows"):
             module.position_rows = rows
-        if hasattr(module, "sequence_mean"):
-            module.sequence_mean = mean

@@ -49,8 +49,11 @@ def _block_plan(family: str, sp: bool, qk_norm: bool = False, moe: bool = False)
             "attention": PrepareModuleInput(input_layouts=(Shard(1), *extra),
                                             desired_input_layouts=(Replicate(), *extra)),
         })
-        if not moe:
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        # A Mixture-of-Experts block routes the slice of the sequence this rank holds, as plain tensors; its
+        # plain output joins the residual stream's slice (parallel/moe_parts.py sums its gradients over tp).
+        plan["feed_forward"] = (PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                   use_local_output=True) if moe else
+                                PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
     return plan
 
 
@@ -83,6 +86,7 @@ def tp_plan(cfg: ModelConfig, *, sp: bool, loss_parallel: bool, layers: list[str
         # A Mixture-of-Experts block stays whole on every tp rank: without sequence parallelism the residual
         # stream reaches it as the same plain tensor on each (the attention's row-parallel output is
         # replicated), so its router, experts and their gradients are the same on each, as the norms' are.
+        # With sequence parallelism each rank routes its slice.
         block = _block_plan(cfg.family, sp, cfg.qk_norm, moe=cfg.is_moe_layer(int(name)))
         plan.update({f"layers.{name}.{path}": style for path, style in block.items()})
     return plan
@@ -99,13 +103,14 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, 
         model.output.weight = model.tok_embeddings.weight
 
 
-def gathered_input_regions(block: nn.Module, family: str) -> list[tuple[nn.Module, list[nn.Module]]]:
+def gathered_input_regions(block: nn.Module, family: str, moe: bool = False) -> list[tuple[nn.Module, list[nn.Module]]]:
     """Under sequence parallelism: each module of ``block`` whose input is all-gathered along the
-    sequence, with the column-parallel projections that read the gathered input."""
-    plan = _block_plan(family, sp=True)
+    sequence, with the column-parallel projections that read the gathered input (a Mixture-of-Experts
+    block, `moe`, reads its slice: only the attention's is gathered)."""
+    plan = _block_plan(family, sp=True, moe=moe)
     return [(block.get_submodule(region), [block.get_submodule(name) for name, style in plan.items()
                                            if name.startswith(f"{region}.") and isinstance(style, ColwiseParallel)])
-            for region in ("attention", "feed_forward")]
+            for region in (("attention",) if moe else ("attention", "feed_forward"))]
 
 
 def tp_degree_error(cfg: ModelConfig, tp: int, seq_len: int, sp: bool,

@@ -59,7 +59,7 @@ def _shape_error(model: ModelConfig, layout: Layout, workload: Workload) -> str 
     # Under context parallelism sequence parallelism splits each rank's part of the sequence.
     error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp, seq)
                       if layout.tp > 1 else None)
-    return (error or moe_layout_error(model, layout.tp, layout.pp, layout.cp, layout.sp)
+    return (error or moe_layout_error(model, layout.tp, layout.pp, layout.cp)
             or pipeline_model_error(model, layout.pp, layout.virtual_stages))
 
 

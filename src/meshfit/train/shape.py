@@ -225,7 +225,7 @@ def resolve_run(cfg: Config, world_size: int) -> RunShape:
     model = cfg.model.resolve()
     if error := seq_len_error(cfg.train.seq_len, model, "train.seq_len", "model.max_seq_len=…"):
         raise ConfigError(error)
-    if error := moe_layout_error(model, dims.tp, dims.pp, dims.cp, p.sp):
+    if error := moe_layout_error(model, dims.tp, dims.pp, dims.cp):
         raise ConfigError(error)
     _check_data(cfg, model.vocab_size)
     check_held_out(cfg)

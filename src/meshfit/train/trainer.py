@@ -29,6 +29,7 @@ from meshfit.models.moe_stats import end_step, take_aux_loss
 from meshfit.parallel.compile import compile_seconds, eager_blocks
 from meshfit.parallel.data_parallel import set_micro_batch
 from meshfit.parallel.expert_parallel import reduce_expert_grads
+from meshfit.parallel.moe_parts import sum_moe_grads
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.evaluate import evaluate, evaluation_due
@@ -121,13 +122,17 @@ def _ddp(run: Run) -> bool:
     return _kind(run) == "ddp"
 
 
-def _dp_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
-    """Sums a tensor in place over the ranks that see different tokens: the data-parallel ones and, under
-    context parallelism, the cp ranks holding the other parts of their sequences (not the tp ranks)."""
-    if run.shape.dims.dp * run.shape.dims.cp == 1:
+def _token_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
+    """Sums a tensor in place over the ranks that see different tokens: the data-parallel ones, the cp
+    ranks holding the other parts of their sequences, and the tp ranks under sequence parallelism (Mixture-
+    of-Experts blocks count the slice they route; without it every tp rank counts the same tokens)."""
+    dims = run.shape.dims
+    groups = [run.meshes.dp_cp.get_group()] if dims.dp * dims.cp > 1 else []
+    if dims.tp > 1 and run.cfg.parallel.sp:
+        groups.append(run.meshes.world["tp"].get_group())
+    if not groups:
         return None
-    group = run.meshes.dp_cp.get_group()
-    return lambda t: torch.distributed.all_reduce(t, group=group)
+    return lambda t: [torch.distributed.all_reduce(t, group=group) for group in groups]
 
 
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool,
@@ -136,6 +141,8 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     if run.meshes.experts is not None:
         # Averaged over the ranks the dense gradients are averaged over: data × context parallel.
         reduce_expert_grads(run.model, run.meshes.expert_replicas, run.shape.dims.dp * run.shape.dims.cp)
+    if run.shape.dims.tp > 1 and run.cfg.parallel.sp:
+        sum_moe_grads(run.model, run.meshes.world["tp"])  # MoE blocks routed a slice each (none: nothing)
     params = list(run.model.parameters())
     squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
     local_ok = guard.locally_finite(losses, squares) if guard is not None else True
@@ -151,7 +158,7 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     allowed = guard is None or guard.allow_step(vote.tally, grad_norm)
     # Mixture-of-Experts counts of the step, summed over the data-parallel ranks; the expert biases move
     # with the step (not on a skipped one).
-    run.moe_counts = end_step(run.model, _dp_sum(run), update_bias=allowed)
+    run.moe_counts = end_step(run.model, _token_sum(run), update_bias=allowed)
     if not allowed:
         return grad_norm, vote  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
