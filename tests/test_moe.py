@@ -135,9 +135,11 @@ def test_parameter_counts_are_the_built_models(name: str) -> None:
     (["model.preset=tiny-gpt", "model.moe_top_k=4"], "model.moe_top_k=4: family 'gpt' has no"),
     (["model.preset=tiny", "model.moe_score=sigmoid"], "model.moe_score='sigmoid': it applies to Mixture"),
     (["model.moe_score=relu"], "model.moe_score='relu'; valid: softmax, sigmoid"),
-    (["parallel.tp=2"], "parallel.tp=2: Mixture-of-Experts models"),
     (["parallel.pp=2"], "parallel.pp=2: Mixture-of-Experts models"),
-    (["parallel.cp=2"], "parallel.cp=2: Mixture-of-Experts models"),
+    (["parallel.tp=2", "model.qk_norm=true", "model.qk_norm_scope=projection"],
+     "parallel.tp=2: the model's q/k norms normalise the whole projections"),
+    (["parallel.tp=2", "parallel.ep=2"], "parallel.ep=2 must divide parallel.dp_shard × parallel.cp = 1 × 1"),
+    (["parallel.cp=2", "train.seq_len=30"], "parallel.cp=2 cuts each sequence into 2·cp = 4 equal chunks"),
     (["parallel.ep=3"], "parallel.ep=3 must divide parallel.dp_shard × parallel.cp = 2 × 1"),
     (["model.moe_experts=3", "parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=3"),
     (["parallel.ep=2", "parallel.zero_stage=0"], "parallel.ep=2 must divide parallel.dp_shard × parallel.cp = 1 × 1"),
@@ -153,3 +155,20 @@ def test_bad_settings_are_one_line_naming_the_field(overrides: list[str], needle
     assert main(["train", "--nproc", "2", *sets]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_plan_leaves_moe_blocks_whole(sp: bool) -> None:
+    # tiny-moe: block 0 dense (its MLP split by tp), block 1 a MoE block (router and experts whole).
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from meshfit.parallel.tensor_parallel import tp_plan
+
+    plan = tp_plan(TINY, sp=sp, loss_parallel=False)
+    assert {"layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.1.attention.wq"} <= plan.keys()
+    assert not any(name.startswith("layers.1.feed_forward.") for name in plan)
+    moe_input = plan.get("layers.1.feed_forward")
+    # Under sequence parallelism the block takes this rank's slice as a plain tensor (no gather).
+    assert (moe_input is None) if not sp else (isinstance(moe_input, PrepareModuleInput)
+                                               and moe_input.use_local_output
+                                               and moe_input.desired_input_layouts == moe_input.input_layouts)

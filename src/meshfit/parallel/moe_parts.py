@@ -80,4 +80,5 @@ def sum_moe_grads(model: nn.Module, tp: DeviceMesh) -> None:
         return
     packed = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(packed, group=tp.get_group())
-    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(packed.split([g.numel() for g in grads]), grads, strict=True)])
+    parts = packed.split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads, strict=True)])
