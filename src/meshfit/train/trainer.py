@@ -132,7 +132,11 @@ def _token_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
         groups.append(run.meshes.world["tp"].get_group())
     if not groups:
         return None
-    return lambda t: [torch.distributed.all_reduce(t, group=group) for group in groups]
+
+    def reduce(t: torch.Tensor) -> None:
+        for group in groups:
+            torch.distributed.all_reduce(t, group=group)
+    return reduce
 
 
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool,
