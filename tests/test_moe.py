@@ -172,3 +172,16 @@ def test_tensor_parallel_plan_leaves_moe_blocks_whole(sp: bool) -> None:
     assert (moe_input is None) if not sp else (isinstance(moe_input, PrepareModuleInput)
                                                and moe_input.use_local_output
                                                and moe_input.desired_input_layouts == moe_input.input_layouts)
+
+
+def test_planner_proposes_neither_tp_nor_cp_for_moe_models() -> None:
+    # Training runs MoE models under tp and cp, but the planner's memory model would split their experts by
+    # tp like a dense MLP: it proposes neither for them yet (and keeps proposing both for dense models).
+    from meshfit.hardware.catalog import Cluster
+    from meshfit.layout.layout import Workload
+    from meshfit.planner.search import enumerate_layouts
+
+    node, work = Cluster("H100-SXM", nodes=1, gpus_per_node=8), Workload(seq_len=65536, global_batch=8)
+    moe = {(lay.tp, lay.cp, lay.pp) for lay in enumerate_layouts(get_preset("small-moe"), work, node, micro_batch=1)}
+    dense = {(lay.tp, lay.cp) for lay in enumerate_layouts(get_preset("small"), work, node, micro_batch=1)}
+    assert moe == {(1, 1, 1)} and any(tp > 1 for tp, _ in dense) and any(cp > 1 for _, cp in dense)
