@@ -46,10 +46,15 @@ class SequenceParts:
         return whole[0], share + (whole[1] - share.detach())
 
 
+def tp_routes_slices(tp: int, sp: bool) -> bool:
+    """Whether each tp rank's MoE blocks route their own slice of the sequence (sequence parallelism)."""
+    return tp > 1 and sp
+
+
 def parts_mesh(world: DeviceMesh, cp: int, tp: int, sp: bool) -> DeviceMesh | None:
     """The ranks holding the parts of the same sequences: cp, × tp under sequence parallelism; None when
     every rank holds whole sequences."""
-    split_tp = tp > 1 and sp
+    split_tp = tp_routes_slices(tp, sp)
     if cp > 1 and split_tp:
         return world["cp", "tp"]._flatten("cp_tp")
     if cp > 1:

@@ -26,7 +26,7 @@ from meshfit.parallel.context_parallel import apply_context_parallel
 from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.expert_parallel import apply_expert_parallel
-from meshfit.parallel.moe_parts import apply_sequence_parts, parts_mesh
+from meshfit.parallel.moe_parts import apply_sequence_parts, parts_mesh, tp_routes_slices
 from meshfit.parallel.sp_regather import regather_in_backward
 from meshfit.parallel.tensor_parallel import apply_tensor_parallel, gathered_input_regions
 
@@ -86,7 +86,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
     apply_model_parallel(model, model_cfg, tp_mesh, parallel, compile_blocks, cp_mesh, seq_len)
     if model_cfg.moe and (parts := parts_mesh(meshes.world, dims.cp, dims.tp, parallel.sp)) is not None:
         # Ranks holding parts of the same sequences: MoE blocks compute the whole sequences' auxiliary loss.
-        apply_sequence_parts(model, parts, summed=dims.tp if parallel.sp else 1)
+        apply_sequence_parts(model, parts, summed=dims.tp if tp_routes_slices(dims.tp, parallel.sp) else 1)
     # Expert shards are DTensors over the expert mesh, replicated (not FSDP-sharded) over the other ranks.
     experts = apply_expert_parallel(model, meshes.experts) if meshes.experts is not None else None
     kind = data_parallel_kind(zero_stage, dims.dp * dims.cp, dims.tp, mixed_precision)

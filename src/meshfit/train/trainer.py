@@ -29,7 +29,7 @@ from meshfit.models.moe_stats import end_step, take_aux_loss
 from meshfit.parallel.compile import compile_seconds, eager_blocks
 from meshfit.parallel.data_parallel import set_micro_batch
 from meshfit.parallel.expert_parallel import reduce_expert_grads
-from meshfit.parallel.moe_parts import sum_moe_grads
+from meshfit.parallel.moe_parts import sum_moe_grads, tp_routes_slices
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.evaluate import evaluate, evaluation_due
@@ -128,7 +128,7 @@ def _token_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
     of-Experts blocks count the slice they route; without it every tp rank counts the same tokens)."""
     dims = run.shape.dims
     groups = [run.meshes.dp_cp.get_group()] if dims.dp * dims.cp > 1 else []
-    if dims.tp > 1 and run.cfg.parallel.sp:
+    if tp_routes_slices(dims.tp, run.cfg.parallel.sp):
         groups.append(run.meshes.world["tp"].get_group())
     if not groups:
         return None
@@ -145,7 +145,7 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     if run.meshes.experts is not None:
         # Averaged over the ranks the dense gradients are averaged over: data × context parallel.
         reduce_expert_grads(run.model, run.meshes.expert_replicas, run.shape.dims.dp * run.shape.dims.cp)
-    if run.shape.dims.tp > 1 and run.cfg.parallel.sp:
+    if tp_routes_slices(run.shape.dims.tp, run.cfg.parallel.sp):
         sum_moe_grads(run.model, run.meshes.world["tp"])  # MoE blocks routed a slice each (none: nothing)
     params = list(run.model.parameters())
     squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
