@@ -2,7 +2,8 @@
 
 Attention q/k/v (with their biases) and MLP up/gate are split by output columns, attention output and MLP
 down by input rows, so each block needs one reduction in forward and one in backward; per-head q/k norms
-stay whole on every rank. The token embedding is split by vocabulary rows and the output head by vocabulary columns. With sequence parallelism the norms, dropout and
+stay whole on every rank, and so does a Mixture-of-Experts MLP (router and experts: expert parallelism
+splits the experts). The token embedding is split by vocabulary rows and the output head by vocabulary columns. With sequence parallelism the norms, dropout and
 the residual stream between the split regions hold 1/t of the sequence; with loss parallelism the
 cross-entropy runs on vocabulary-sharded logits that are never gathered.
 """
@@ -32,10 +33,10 @@ def _block_plan(family: str, sp: bool, qk_norm: bool = False, moe: bool = False)
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
     }
-    if not moe:
+    if not moe:  # a Mixture-of-Experts MLP stays whole (tp_plan)
         plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=residual)})
-    if family == "llama" and not moe:
-        plan["feed_forward.w3"] = ColwiseParallel()
+        if family == "llama":
+            plan["feed_forward.w3"] = ColwiseParallel()
     if qk_norm:
         # Each rank normalises its own query and key heads ([b, s, heads, head_dim], heads split: Shard(2))
         # with the whole per-head weight (replicated), whose gradient is summed over the heads of every rank.
@@ -103,7 +104,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, 
         model.output.weight = model.tok_embeddings.weight
 
 
-def gathered_input_regions(block: nn.Module, family: str, moe: bool = False) -> list[tuple[nn.Module, list[nn.Module]]]:
+def gathered_input_regions(block: nn.Module, family: str,
+                           moe: bool = False) -> list[tuple[nn.Module, list[nn.Module]]]:
     """Under sequence parallelism: each module of ``block`` whose input is all-gathered along the
     sequence, with the column-parallel projections that read the gathered input (a Mixture-of-Experts
     block, `moe`, reads its slice: only the attention's is gathered)."""
