@@ -206,10 +206,12 @@ def test_the_stage_split_weighs_a_moe_block_by_its_active_experts() -> None:
     (["model.preset=tiny-gpt", "model.moe_top_k=4"], "model.moe_top_k=4: family 'gpt' has no"),
     (["model.preset=tiny", "model.moe_score=sigmoid"], "model.moe_score='sigmoid': it applies to Mixture"),
     (["model.moe_score=relu"], "model.moe_score='relu'; valid: softmax, sigmoid"),
-    (["parallel.tp=2"], "parallel.tp=2: Mixture-of-Experts models"),
     # Pipelines take Mixture-of-Experts models; the pipeline's own rules still hold.
     (["parallel.pp=2", "pipeline.schedule=interleaved-1f1b"], "= 2 × 2 = 4 stages, but the model has 2 layers"),
-    (["parallel.cp=2"], "parallel.cp=2: Mixture-of-Experts models"),
+    (["parallel.tp=2", "model.qk_norm=true", "model.qk_norm_scope=projection"],
+     "parallel.tp=2: the model's q/k norms normalise the whole projections"),
+    (["parallel.tp=2", "parallel.ep=2"], "parallel.ep=2 must divide parallel.dp_shard × parallel.cp = 1 × 1"),
+    (["parallel.cp=2", "train.seq_len=30"], "parallel.cp=2 cuts each sequence into 2·cp = 4 equal chunks"),
     (["parallel.ep=3"], "parallel.ep=3 must divide parallel.dp_shard × parallel.cp = 2 × 1"),
     (["model.moe_experts=3", "parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=3"),
     (["parallel.ep=2", "parallel.zero_stage=0"], "parallel.ep=2 must divide parallel.dp_shard × parallel.cp = 1 × 1"),
@@ -225,3 +227,33 @@ def test_bad_settings_are_one_line_naming_the_field(overrides: list[str], needle
     assert main(["train", "--nproc", "2", *sets]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_plan_leaves_moe_blocks_whole(sp: bool) -> None:
+    # tiny-moe: block 0 dense (its MLP split by tp), block 1 a MoE block (router and experts whole).
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from meshfit.parallel.tensor_parallel import tp_plan
+
+    plan = tp_plan(TINY, sp=sp, loss_parallel=False)
+    assert {"layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.1.attention.wq"} <= plan.keys()
+    assert not any(name.startswith("layers.1.feed_forward.") for name in plan)
+    moe_input = plan.get("layers.1.feed_forward")
+    # Under sequence parallelism the block takes this rank's slice as a plain tensor (no gather).
+    assert (moe_input is None) if not sp else (isinstance(moe_input, PrepareModuleInput)
+                                               and moe_input.use_local_output
+                                               and moe_input.desired_input_layouts == moe_input.input_layouts)
+
+
+def test_planner_proposes_neither_tp_nor_cp_for_moe_models() -> None:
+    # Training runs MoE models under tp and cp, but the planner's memory model would split their experts by
+    # tp like a dense MLP: it proposes neither for them yet (and keeps proposing both for dense models).
+    from meshfit.hardware.catalog import Cluster
+    from meshfit.layout.layout import Workload
+    from meshfit.planner.search import enumerate_layouts
+
+    node, work = Cluster("H100-SXM", nodes=1, gpus_per_node=8), Workload(seq_len=65536, global_batch=8)
+    moe = {(lay.tp, lay.cp, lay.pp) for lay in enumerate_layouts(get_preset("small-moe"), work, node, micro_batch=1)}
+    dense = {(lay.tp, lay.cp) for lay in enumerate_layouts(get_preset("small"), work, node, micro_batch=1)}
+    assert moe == {(1, 1, 1)} and any(tp > 1 for tp, _ in dense) and any(cp > 1 for _, cp in dense)

@@ -23,6 +23,7 @@ another rank) needs to see it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshfit.models.config import ModelConfig
+
+# (fraction, mean probabilities) of one part of the sequences -> the whole sequences' (parallel/moe_parts.py).
+Parts = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Router(nn.Module):
@@ -217,6 +221,9 @@ class MoE(nn.Module):
         self.bias_rate = cfg.moe_bias_update_rate
         self.aux_grad_scale = 1.0  # the auxiliary loss's gradient (AuxLossScaler), set by the trainer
         self.counting = True  # off while a pipeline stage runs a forward only to learn its shapes
+        # Set by the layout where this rank holds a part of each sequence (context or sequence parallelism):
+        # the whole sequences' (f, P) of the auxiliary loss from this part's (parallel/moe_parts.py). None: whole.
+        self.sequence_parts: Parts | None = None
         self.counted: dict[str, torch.Tensor] = {}  # this step's tokens per expert, dropped copies, aux loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +235,8 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
             # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.
-            aux = load_balancing_loss(scores, routed.demand) * self.aux_coeff if self.aux_coeff > 0 else None
+            aux = (load_balancing_loss(scores, routed.demand, self.sequence_parts) * self.aux_coeff
+                   if self.aux_coeff > 0 else None)
             if aux is not None:
                 out = AuxLossScaler.apply(out, aux, self.aux_grad_scale)
             if self.counting and not _in_backward():
@@ -244,10 +252,17 @@ class MoE(nn.Module):
             self.counted[key] = self.counted[key] + value if key in self.counted else value
 
 
-def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor, parts: Parts | None = None) -> torch.Tensor:
     """Switch/GShard load-balancing loss, ``E · Σ_e f_e · P_e``: f_e the fraction of routed copies that chose
     expert e, P_e the mean probability it got (sigmoid scores normalised per token). 1 when balanced.
-    (transformers' ``load_balancing_loss_func`` is top_k times this, over all layers' tokens at once.)"""
+    (transformers' ``load_balancing_loss_func`` is top_k times this, over all layers' tokens at once.)
+
+    `parts`: these tokens are one part of each sequence, the others on other ranks; it turns this part's f
+    and P into the whole sequences' (the loss is not linear in the tokens), so that every part computes the
+    loss a process holding whole sequences does, with a gradient the layout's reduction makes exact."""
     probs = scores / scores.sum(dim=-1, keepdim=True)
     fraction = demand.float() / demand.sum()
-    return scores.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+    mean_probs = probs.mean(dim=0)
+    if parts is not None:
+        fraction, mean_probs = parts(fraction, mean_probs)
+    return scores.shape[-1] * (fraction * mean_probs).sum()

@@ -28,6 +28,7 @@ from meshfit.models.loss import lm_loss
 from meshfit.models.moe_stats import end_step
 from meshfit.parallel.compile import compile_seconds, eager_blocks
 from meshfit.parallel.data_parallel import set_micro_batch
+from meshfit.parallel.moe_parts import sum_moe_grads, tp_routes_slices
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.evaluate import evaluate, evaluation_due
@@ -117,18 +118,28 @@ def _ddp(run: Run) -> bool:
     return _kind(run) == "ddp"
 
 
-def _dp_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
-    """Sums a tensor in place over the data-parallel ranks (those that see different tokens)."""
-    if run.shape.dims.dp == 1:
+def _token_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
+    """Sums a tensor in place over the ranks that see different tokens: the data-parallel ones, the cp
+    ranks holding the other parts of their sequences, and the tp ranks under sequence parallelism (Mixture-
+    of-Experts blocks count the slice they route; without it every tp rank counts the same tokens)."""
+    dims = run.shape.dims
+    groups = [run.meshes.dp_cp.get_group()] if dims.dp * dims.cp > 1 else []
+    if tp_routes_slices(dims.tp, run.cfg.parallel.sp):
+        groups.append(run.meshes.world["tp"].get_group())
+    if not groups:
         return None
-    group = run.meshes.dp.get_group()
-    return lambda t: torch.distributed.all_reduce(t, group=group)
+
+    def reduce(t: torch.Tensor) -> None:
+        for group in groups:
+            torch.distributed.all_reduce(t, group=group)
+    return reduce
 
 
 def _moe_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
-    """Sums the Mixture-of-Experts counts over the data-parallel ranks and, under a pipeline, over the
-    stages (each holds the rows of its own blocks, zeros elsewhere): every rank gets every layer's."""
-    dp_sum = _dp_sum(run)
+    """Sums the Mixture-of-Experts counts over the ranks that see different tokens (_token_sum) and, under
+    a pipeline, over the stages (each holds the rows of its own blocks, zeros elsewhere): every rank gets
+    every layer's."""
+    dp_sum = _token_sum(run)
     if run.pipe is None:
         return dp_sum
     stages = run.meshes.world["pp"].get_group()
@@ -149,6 +160,8 @@ def _moe_layers(run: Run) -> list[int] | None:
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool,
                     read: bool) -> tuple[torch.Tensor, Vote]:
     run.tracker.phase = "optimizer step"
+    if tp_routes_slices(run.shape.dims.tp, run.cfg.parallel.sp):
+        sum_moe_grads(run.model, run.meshes.world["tp"])  # MoE blocks routed a slice each (none: nothing)
     params = list(run.model.parameters())
     squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
     local_ok = guard.locally_finite(losses, squares) if guard is not None else True
