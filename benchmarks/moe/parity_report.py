@@ -33,6 +33,15 @@ LAYOUTS: dict[str, tuple[int, int, list[str]]] = {
     "ep2 x hsdp 2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"]),
     "ep2 capacity 1.0": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"]),
     "ep2 bf16": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.mixed_precision=true"]),
+    # Tensor parallelism on attention (the MoE block whole on each tp rank; under sp each routes its slice)
+    # and context parallelism (the auxiliary loss the whole sequences'), with and without ep.
+    "tp2 loss-parallel": (2, 1, ["parallel.tp=2", "parallel.loss_parallel=true"]),
+    "tp2+sp": (2, 1, ["parallel.tp=2", "parallel.sp=true"]),
+    "cp2": (2, 1, ["parallel.cp=2"]),
+    "ep2 over cp2": (2, 1, ["parallel.cp=2", "parallel.ep=2"]),
+    "ep2 x tp2 dp2": (4, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.loss_parallel=true"]),
+    "ep2 x tp2+sp dp2": (4, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),
+    "ep2 x cp2 dp2": (4, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2"]),
     # Pipelines: 4 blocks (the first dense), 2 sequences per pipeline micro-batch.
     **{f"pp2 {schedule}": (2, 1, ["model.n_layers=4", "parallel.pp=2", f"pipeline.schedule={schedule}",
                                   "pipeline.microbatches=4", *extra])
