@@ -32,7 +32,7 @@ _KEEP = {
 # expert shards under expert parallelism, parallel/data_parallel.py) open more of them in the recompute than
 # in the forward, and torch 2.13's selective checkpointing refuses any operator the forward did not record
 # ("... invocation index 2 encountered during backward but not found in storage"); they run as they come.
-# (Later torch releases ignore them in selective checkpointing themselves: pytorch/pytorch#196862.)
+# (A change proposed to torch, pytorch/pytorch#196862, has selective checkpointing ignore them itself.)
 _ANNOTATIONS = {torch.ops.profiler._record_function_enter_new.default,
                 torch.ops.profiler._record_function_exit._RecordFunction}
 
