@@ -32,6 +32,9 @@ LAYOUTS: dict[str, tuple[int, int, list[str]]] = {
        for z in (1, 2, 3)},
     "ep2 x hsdp 2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"]),
     "ep2 capacity 1.0": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"]),
+    "ep2 full recompute": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpointing=full"]),
+    "ep2 op recompute": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpointing=op"]),
+    "ep2 compiled": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "train.compile=true"]),
     "ep2 bf16": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.mixed_precision=true"]),
     # Tensor parallelism on attention (the MoE block whole on each tp rank; under sp each routes its slice)
     # and context parallelism (the auxiliary loss the whole sequences'), with and without ep.
