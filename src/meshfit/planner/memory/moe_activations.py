@@ -1,0 +1,54 @@
+"""What a Mixture-of-Experts MLP (models/moe.py) keeps for backward, per token, in bytes.
+
+Counted tensor by tensor from the block's code (each op keeps what its backward reads) and checked with
+torch's memory tracker on real blocks on fake tensors (benchmarks/planner/moe_activations.py): Qwen3-30B-A3B
+shapes at 4,096 tokens, bf16, balanced routing: 222,232 bytes per token measured for the MLP, 222,036 counted.
+
+* router: its fp32 copy of the input (the gate's matmul keeps it), the fp32 scores (softmax or sigmoid
+  keeps its output) and the sum the top-k gates are normalised by;
+* per routed copy, at home: the int64 chosen expert, sort order and source token, the fp32 gate before and
+  after dropping (and the keep mask), and two fp32 copies of the expert output (the gate product keeps the
+  upcast output, index_add its weighted result);
+* per routed copy, where its expert is: the copy itself (compute dtype), SwiGLU's four intermediates of
+  moe_hidden (gate and up outputs, SiLU output, their product), the row mask, and under expert parallelism
+  the two int64 maps that regroup received copies by expert and send the outputs back;
+* shared experts: a SwiGLU of moe_shared_experts · moe_hidden, which keeps its input as well.
+
+The most-loaded rank's routed copies at their experts are ``imbalance`` times the balanced share (under
+expert parallelism: a rank whose experts are chosen more receives more copies); the home side is always
+the rank's own tokens × top_k.
+"""
+
+from __future__ import annotations
+
+from meshfit.models.config import ModelConfig
+
+# Bytes per routed copy of the small per-copy tensors at home: int64 choice, order and source (3 × 8), the
+# fp32 gate and its kept value (2 × 4), the boolean keep mask (1).
+_HOME_INDEX_BYTES = 3 * 8 + 2 * 4 + 1
+# One of the measured max / mean tokens-per-expert loads, kept here with what it was measured on: a short
+# real CPU run of `small-moe` (see docs/moe.md, "What the plan counts"). `--explain` shows it as a worst case.
+MEASURED_IMBALANCE = 1.0
+MEASURED_IMBALANCE_NOTE = "not measured yet"
+
+
+def moe_mlp_bytes_per_token(model: ModelConfig, p: int, ep: int = 1, imbalance: float = 1.0) -> float:
+    """Bytes one Mixture-of-Experts MLP keeps for backward per token of the rank's micro-batch, in the
+    compute dtype of ``p`` bytes, under expert parallelism ``ep`` and routed-token factor ``imbalance``."""
+    d, f, k, e = model.dim, model.moe_hidden, model.moe_top_k, model.moe_experts
+    router = 4 * d + 4 * e + 4
+    home = k * (_HOME_INDEX_BYTES + 2 * 4 * d)
+    at_expert = p * d + 4 * p * f + 1 + (2 * 8 if ep > 1 else 0)
+    routed = k * at_expert * (imbalance if ep > 1 else 1.0)
+    shared = p * d + 4 * p * model.moe_shared_experts * f if model.moe_shared_experts else 0.0
+    return router + home + routed + shared
+
+
+def dispatch_buffer_bytes(model: ModelConfig, p: int, tokens: int, ep: int, imbalance: float = 1.0) -> float:
+    """The all-to-all's send and receive buffers of one MoE block's dispatch (tokens × top_k rows of dim in
+    the compute dtype each way; the receive side ``imbalance`` times more on the most-loaded rank): alive
+    while the block's forward runs, and again, for the gradients, in its backward. 0 without ep."""
+    if ep == 1 or not model.moe:
+        return 0.0
+    rows = tokens * model.moe_top_k * model.dim * p
+    return rows * (1 + imbalance)
