@@ -1,5 +1,5 @@
 """Expert parallelism (parallel.ep) trains a Mixture-of-Experts model as one process does: ep 2 on 2 ranks
-and ep 2 over 4 data-parallel ranks (each expert shard then has a replica whose gradient joins it), fp32,
+and ep 2 over 4 data-parallel ranks (ZeRO-3 then shards each ep shard over the 2 ranks that hold it), fp32,
 dropless, 10 steps: the same losses and gradient norms (≤ 1e-5), the same tokens per expert and expert
 biases, each rank holding half of the experts; with a capacity factor (copies dropped before the
 exchange) and the auxiliary loss on 2 ranks too. A run saved under ep 2 resumes under ep 1 with the same
@@ -33,9 +33,11 @@ def _reference(ranks: int, **variants: list[str]) -> dict:
     return run_ranks(moe_layouts_job, 1, cfgs)[0]
 
 
-def _halved(run: dict) -> None:
-    # tiny-moe: 8 experts of width 32 over dim 64; each rank holds 4 of them.
-    assert run["shapes"]["w1"] == ((8, 32, 64), (4, 32, 64)) and run["shapes"]["w2"] == ((8, 64, 32), (4, 64, 32))
+def _held(run: dict, experts: int) -> None:
+    # tiny-moe: 8 experts of width 32 over dim 64; each rank holds `experts` of them (its ep shard, split
+    # again by ZeRO-3 over the ranks that hold the same ep shard).
+    assert run["shapes"]["w1"] == ((8, 32, 64), (experts, 32, 64))
+    assert run["shapes"]["w2"] == ((8, 64, 32), (experts, 64, 32))
 
 
 def test_ep2_on_two_ranks_trains_as_one_process_and_resumes_under_ep1(tmp_path) -> None:
@@ -44,16 +46,18 @@ def test_ep2_on_two_ranks_trains_as_one_process_and_resumes_under_ep1(tmp_path) 
     capacity = parity_config(*BASE, *CAPACITY, "parallel.dp_shard=2", "parallel.ep=2")
     out = run_ranks(moe_layouts_job, 2, {"ep2": ep2, "capacity": capacity}, (ep2, ep1, str(tmp_path / "resume")),
                     timeout_s=360)[0]
-    _halved(out["ep2"])
+    _held(out["ep2"], 4)
     _same(out["ep2"], ref["plain"])
     _same(out["capacity"], ref["capacity"])
     assert out["capacity"]["dropped"] > 0 and out["ep2"]["dropped"] == 0
     assert _close(out["resumed"], ref["plain"]["losses"]) <= 1e-5
 
 
-def test_ep2_over_four_data_parallel_ranks_trains_as_one_process() -> None:
+def test_ep2_over_four_data_parallel_ranks_trains_as_one_process_under_each_zero_stage() -> None:
     ref = _reference(4, plain=[])["plain"]
-    cfg = parity_config(*BASE, "parallel.dp_shard=4", "parallel.ep=2")
-    out = run_ranks(moe_layouts_job, 4, {"ep2": cfg}, timeout_s=360)[0]
-    _halved(out["ep2"])
-    _same(out["ep2"], ref)
+    cfgs = {f"zero{stage}": parity_config(*BASE, "parallel.dp_shard=4", "parallel.ep=2",
+                                          f"parallel.zero_stage={stage}") for stage in (1, 2, 3)}
+    out = run_ranks(moe_layouts_job, 4, cfgs, timeout_s=360)[0]
+    for stage in (1, 2, 3):
+        _held(out[f"zero{stage}"], 2)  # between steps each ep shard is split over the 2 ranks that hold it
+        _same(out[f"zero{stage}"], ref)

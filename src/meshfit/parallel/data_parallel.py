@@ -68,6 +68,13 @@ def fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
     return meshes.shard
 
 
+def expert_fsdp_mesh(dims: ParallelDims, meshes: Meshes) -> DeviceMesh:
+    """What FSDP shards the expert-parallel shards over: the expert mesh's edp ranks (dp_shard × cp / ep), or
+    (dp_replicate, edp) as HSDP."""
+    assert meshes.experts is not None
+    return meshes.experts["dp_replicate", "edp"] if dims.dp_replicate > 1 else meshes.experts["edp"]
+
+
 def precision_policy(stage: int, mixed_precision: bool, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
     """bf16 compute copies of the weights; gradients reduced into fp32 shards, except at stage 1.
 
@@ -82,28 +89,48 @@ def precision_policy(stage: int, mixed_precision: bool, reduce_dtype: str = "fp3
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16 if low else torch.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertSharding:
+    """Expert parallelism's routed experts under FSDP: each block's expert module (its ep shard, a DTensor over
+    the expert mesh's ep dimension) is a unit of its own, sharded over the expert data-parallel `mesh`
+    (edp, or (dp_replicate, edp) as HSDP), with its gradients divided by `divide_factor`."""
+
+    modules: list[nn.Module]
+    mesh: DeviceMesh
+    # The full data-parallel size (dp × cp): the backward all-to-all has already summed the ep ranks'
+    # contributions, so dividing by the edp ranks alone would leave expert gradients ep times too large.
+    divide_factor: int
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precision: bool, offload: bool,
                reduce_dtype: str = "fp32", max_unit_params: int | None = None,
-               ignored: set[nn.Parameter] | None = None) -> None:
+               experts: ExpertSharding | None = None) -> None:
     """fully_shard each transformer block (as smaller units when it holds more than `max_unit_params`
     parameters: parallel/fsdp_units.py), then the root (embeddings, final norm, head), on meta.
-    `ignored`: parameters FSDP leaves alone (expert-parallel shards, parallel/expert_parallel.py)."""
+    `experts`: expert-parallel shards, sharded over their own mesh first (ExpertSharding)."""
     # Pinned host memory needs an accelerator; on a CPU-only build plain memory is the host memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     # Stage 0 (replicas of tensor-parallel weights): the gathered compute copies are freed after each
     # block, as at stage 3; the "shards" are whole.
     mp_policy = precision_policy(stage, mixed_precision, reduce_dtype)
-    kwargs = dict(mesh=mesh, reshard_after_forward=stage in (0, 3), offload_policy=policy, ignored_params=ignored)
+    kwargs = dict(reshard_after_forward=stage in (0, 3), offload_policy=policy)
     # Blocks take 16-bit hidden states from the embedding or the block before; casting their other inputs
     # would make a 16-bit copy of Llama's fp32 RoPE tables in every block (and rotate in 16 bits).
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    expert_units = set(experts.modules) if experts is not None else set()
     for block in model.layers.values():
+        for unit in (m for m in block.modules() if m in expert_units):
+            fully_shard(unit, mesh=experts.mesh, mp_policy=block_policy, **kwargs)
+            unit.set_gradient_divide_factor(experts.divide_factor)
+            # gloo has no pre-multiplied sum: sum, then divide. (On one rank FSDP divides without a
+            # collective, and would divide a second time if forced to sum: torch 2.13.)
+            if experts.mesh.device_type == "cpu" and experts.mesh.size() > 1:
+                unit.set_force_sum_reduction_for_comms(True)
         for unit in sub_units(block, max_unit_params):
-            if ignored and all(p in ignored for p in unit.parameters()):
-                continue  # nothing of it for FSDP to shard
-            fully_shard(unit, mp_policy=block_policy, **kwargs)
-        fully_shard(block, mp_policy=block_policy, **kwargs)
-    fully_shard(model, mp_policy=mp_policy, **kwargs)
+            if unit not in expert_units:
+                fully_shard(unit, mesh=mesh, mp_policy=block_policy, **kwargs)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, **kwargs)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, **kwargs)
     if mesh.device_type == "cpu":
         _prefetch_on_host(model)
     # Tensor-parallel logits come back as a view of the local shard; the loss reads them out of place, so

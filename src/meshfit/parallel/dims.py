@@ -28,10 +28,9 @@ class Meshes:
     dp: DeviceMesh
     dp_cp: DeviceMesh
     shard: DeviceMesh
-    # parallel.ep > 1: (dp_replicate, edp, ep) over the same ranks, dp_shard split as edp × ep (ep inner);
-    # the routed experts are sharded over `ep` and replicated over the flattened `edp_all` (the rest).
+    # parallel.ep > 1: (pp, dp_replicate, edp, ep, tp) over the same ranks, dp_shard × cp split as edp × ep
+    # (ep inner); the routed experts are split over `ep` and FSDP-sharded over `edp` (dp_replicate: HSDP).
     experts: DeviceMesh | None = None
-    expert_replicas: DeviceMesh | None = None  # edp_all
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.dp if name == "dp" else self.world[name]
@@ -112,7 +111,7 @@ class ParallelDims:
                       **self._expert_meshes(device_type))
 
     def _expert_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
-        """Meshes.experts and Meshes.expert_replicas; none without expert parallelism.
+        """Meshes.experts; none without expert parallelism.
 
         The expert mesh is (pp, dp_replicate, edp, ep, tp) over the world's ranks: dp_shard × cp (adjacent,
         cp inner, in the world mesh) is split as edp × ep with ep inner, so the ep ranks of a group are
@@ -121,4 +120,4 @@ class ParallelDims:
             return {}
         shape = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "tp"))
-        return {"experts": mesh, "expert_replicas": mesh["dp_replicate", "edp"]._flatten("edp_all")}
+        return {"experts": mesh}

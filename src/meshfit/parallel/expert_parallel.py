@@ -5,11 +5,13 @@ reads its own tokens; after routing, each rank sends the copies of its tokens to
 expert and gets the outputs back (two all-to-alls per block in forward, two in backward). The experts'
 parameters keep their global shape as DTensors `Shard(0)` over `ep`, so checkpoints reshard across ep.
 
+Data parallelism of the expert shards: each rank's shard is FSDP-sharded (the layout's ZeRO stage) over the
+ranks that hold the same experts, `edp` = dp_shard × cp / ep (with dp_replicate, HSDP), one FSDP unit per
+block's experts (parallel/data_parallel.py), so ZeRO-3 gathers a layer's E/ep local experts, not all E.
 Gradients: the backward all-to-all brings every ep rank's contribution to an expert's gradient to the rank
-that holds it; summing over the replicas of that shard (`edp_all`: dp_replicate × dp_shard/ep ranks) then
-gives the sum over every data-parallel rank, which is divided by the full data-parallel size, as FSDP
-averages the dense gradients. Dividing by the replicas' count only would leave expert gradients ep times
-too large (DeepSpeed-MoE's bug #5618). The expert shards are not FSDP's: they stay whole on each replica.
+that holds it; FSDP's reduction over edp then gives the sum over every data-parallel rank, which is divided
+by the full data-parallel size (FSDP's gradient divide factor), as the dense gradients are averaged.
+Dividing by the edp count alone would leave expert gradients ep times too large (DeepSpeed-MoE's bug #5618).
 """
 
 from __future__ import annotations
@@ -77,35 +79,15 @@ class AllToAllDispatcher(LocalDispatcher):
         return super().combine(padded, routed, tokens)
 
 
-def expert_modules(model: nn.Module) -> list[GroupedExperts]:
-    return [m.experts for m in model.modules() if isinstance(m, MoE)]
-
-
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[GroupedExperts]:
     """On meta: shard every MoE block's routed experts over mesh["ep"] and give the block the all-to-all
-    dispatcher. Returns the expert parameters (FSDP leaves them alone)."""
+    dispatcher. Returns the expert modules (FSDP shards them over the edp ranks: parallel/data_parallel.py)."""
     ep_mesh = mesh["ep"]
     dispatcher = AllToAllDispatcher(ep_mesh.get_group())
-    params: set[nn.Parameter] = set()
+    modules = []
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.dispatcher = dispatcher
         for name, p in list(moe.experts.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None))
-            setattr(moe.experts, name, sharded)
-            params.add(sharded)
-    return params
-
-
-@torch.no_grad()
-def reduce_expert_grads(model: nn.Module, replicas: DeviceMesh, dp_size: int) -> None:
-    """After the step's last backward: sum each expert shard's gradient over its `replicas` (the expert
-    mesh's edp_all) and divide by the data-parallel size (the average every dense gradient gets)."""
-    group = replicas.get_group()
-    for experts in expert_modules(model):
-        for p in experts.parameters():
-            if p.grad is None:
-                continue
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            if replicas.size() > 1:
-                dist.all_reduce(grad, group=group)
-            grad.div_(dp_size)
+            setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)))
+        modules.append(moe.experts)
+    return modules

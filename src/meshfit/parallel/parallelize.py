@@ -23,7 +23,7 @@ from meshfit.models.init import WeightSource
 from meshfit.parallel.activation_checkpoint import apply_activation_checkpointing, keeps_block_graph
 from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.context_parallel import apply_context_parallel
-from meshfit.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_mesh
+from meshfit.parallel.data_parallel import ExpertSharding, apply_ddp, apply_fsdp, expert_fsdp_mesh, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.expert_parallel import apply_expert_parallel
 from meshfit.parallel.sp_regather import regather_in_backward
@@ -82,14 +82,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
     tp_mesh = meshes.world["tp"] if dims.tp > 1 else None
     cp_mesh = meshes.world["cp"] if dims.cp > 1 else None
     apply_model_parallel(model, model_cfg, tp_mesh, parallel, compile_blocks, cp_mesh, seq_len)
-    # Expert shards are DTensors over the expert mesh, replicated (not FSDP-sharded) over the other ranks.
-    experts = apply_expert_parallel(model, meshes.experts) if meshes.experts is not None else None
+    # Expert shards are DTensors over the expert mesh's ep ranks, FSDP-sharded over its edp ranks.
+    experts = None
+    if meshes.experts is not None:
+        experts = ExpertSharding(apply_expert_parallel(model, meshes.experts), expert_fsdp_mesh(dims, meshes),
+                                 divide_factor=dims.dp * dims.cp)
     kind = data_parallel_kind(zero_stage, dims.dp * dims.cp, dims.tp, mixed_precision)
     # zero_stage ≥ 1 on one data-parallel rank also takes FSDP (with offload, host-resident shards).
     if kind in ("fsdp", "replicas"):
         apply_fsdp(model, fsdp_mesh(dims, meshes), stage=zero_stage, mixed_precision=mixed_precision,
                    offload=parallel.offload, reduce_dtype=parallel.reduce_dtype,
-                   max_unit_params=parallel.max_unit_params, ignored=experts)
+                   max_unit_params=parallel.max_unit_params, experts=experts)
     with materialize():
         model.to_empty(device="cpu" if parallel.offload else device)
         if parallel.offload:

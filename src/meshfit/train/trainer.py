@@ -28,7 +28,6 @@ from meshfit.models.loss import lm_loss
 from meshfit.models.moe_stats import end_step, take_aux_loss
 from meshfit.parallel.compile import compile_seconds, eager_blocks
 from meshfit.parallel.data_parallel import set_micro_batch
-from meshfit.parallel.expert_parallel import reduce_expert_grads
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.evaluate import evaluate, evaluation_due
@@ -128,8 +127,6 @@ def _dp_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool,
                     read: bool) -> tuple[torch.Tensor, Vote]:
     run.tracker.phase = "optimizer step"
-    if run.meshes.experts is not None:
-        reduce_expert_grads(run.model, run.meshes.expert_replicas, run.shape.dims.dp)
     params = list(run.model.parameters())
     squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
     local_ok = guard.locally_finite(losses, squares) if guard is not None else True
