@@ -249,34 +249,6 @@ class RankFSDPMemTracker(_RankTracking, FSDPMemTracker):
                  budget: int | None = None, offload: bool = False):
         FSDPMemTracker.__init__(self, model, optimizer)
         self._setup(device, rank, budget, offload)
-        # Parameters FSDP leaves alone (expert-parallel shards kept whole, parallel/expert_parallel.py) are
-        # parameters too: torch's FSDP tracker follows FSDP's own only, and would file them as `other` and
-        # their gradients as activations.
-        self._unmanaged = _unmanaged_params(model)
-        self._grad_hooked: dict[nn.Parameter, Any] = {}
-
-    def __enter__(self) -> RankFSDPMemTracker:
-        super().__enter__()
-        for param in self._unmanaged:
-            self._update_and_maybe_create_winfos(param, self._ref_class.SHARDED_PARAM)
-            if param.grad is not None:
-                self._update_and_maybe_create_winfos(param.grad, self._ref_class.SHARDED_GRAD)
-            if param not in self._grad_hooked:
-                self._grad_hooked[param] = param.register_post_accumulate_grad_hook(self._unmanaged_grad)
-        return self
-
-    def _unmanaged_grad(self, param: nn.Parameter) -> None:
-        if self._in_window and param.grad is not None:
-            self._update_and_maybe_create_winfos(param.grad, self._ref_class.SHARDED_GRAD)
-
-
-def _unmanaged_params(model: nn.Module) -> list[nn.Parameter]:
-    managed = set()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            managed.update(id(p.sharded_param) for p in (group.fsdp_params if group else ()))
-    return [p for p in model.parameters() if id(p) not in managed]
 
 
 def make_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,

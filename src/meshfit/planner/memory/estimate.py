@@ -25,7 +25,7 @@ from meshfit.layout.layout import Layout, Workload
 from meshfit.layout.precision import STORAGE_BYTES, state_bytes
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
 from meshfit.planner.memory.activations import document_mask_bytes, embedding_bytes, head_bytes, layout_activations
-from meshfit.planner.memory.experts import cast_copy_bytes, ep_share, local_experts_model
+from meshfit.planner.memory.experts import ep_share, local_experts_model
 from meshfit.planner.memory.formulas import pipeline_in_flight_microbatches
 from meshfit.planner.memory.phase_terms import (
     RootReduce,
@@ -180,8 +180,6 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
                                          dropout=workload.dropout, cp=layout.cp) if share.first else 0.0)
     # A document mask: one per micro-batch and stage, kept for backward by every block's attention.
     saved_mb += document_mask_bytes(model, workload, layout, mode, backend) * share.stages
-    # Expert shards kept whole: each block's compute-dtype copy of its local experts (planner/memory/experts.py).
-    saved_mb += cast_copy_bytes(model, layout, share, c_bytes, STORAGE_BYTES[workload.precision])
     block_temps = BACKWARD_TEMPS[model.family] * tokens * model.dim * c_bytes / (layout.tp if layout.sp else 1)
     local = workload.global_batch // layout.dp
     micro = max(1, local // layout.micro_batch)

@@ -3,17 +3,12 @@
 The ep ranks are borrowed from the dp_shard × cp ranks (parallel/expert_parallel.py): every rank holds
 E/ep of each Mixture-of-Experts block's routed experts. What is kept of them:
 
-* **States**: the routed expert shards are sharded by the data-parallel technique of the dense part (the
-  same ZeRO stage) over the ``edp = dp_shard·cp/ep`` ranks that hold the same experts, and replicated over
-  dp_replicate (HSDP-style): weights, gradients and optimizer states of ``routed / (ep · edp)`` parameters
-  per rank, the same bytes as the dense part's ``/ (dp_shard·cp)``. Until the run time shards them
-  (``EXPERTS_SHARDED_OVER_EDP`` False) each edp rank keeps its E/ep experts whole: ``routed / ep`` — the
-  edp = 1 case of the same count.
-* **Gathered copies**: FSDP gathers a block's local experts (E/ep of them) at a time, so a block's
-  units are those of a block with E/ep experts.
-* **Cast copies**: kept whole, the shards are not FSDP's, so no mixed-precision policy casts them: the
-  expert kernel casts each block's shard to the compute dtype in forward, and autograd keeps that copy
-  for backward (models/moe.py's GroupedExperts): one compute-dtype copy of every block's local experts.
+* **States**: the routed expert shards are FSDP-sharded at the dense part's ZeRO stage over the
+  ``edp = dp_shard·cp/ep`` ranks that hold the same experts, and replicated over dp_replicate (HSDP-style;
+  parallel/data_parallel.py's ExpertSharding): weights, gradients and optimizer states of
+  ``routed / (ep · edp)`` parameters per rank, the same bytes as the dense part's ``/ (dp_shard·cp)``.
+* **Gathered copies**: each block's experts are an FSDP unit of their own; FSDP gathers a block's E/ep local
+  experts at a time, so a block's units are those of a block with E/ep experts.
 
 The router gate, norms, shared experts and dense blocks are dense parameters (sharded over dp_shard·cp).
 """
@@ -25,10 +20,6 @@ from dataclasses import replace
 from meshfit.layout.layout import Layout
 from meshfit.models.config import ModelConfig
 from meshfit.planner.memory.shares import Share
-
-# Whether the run time FSDP-shards each routed expert shard over its edp ranks (True) or keeps it whole on
-# every one of them (False: parallel/expert_parallel.py today). The one place the planner reads it.
-EXPERTS_SHARDED_OVER_EDP = False
 
 
 def routed_params(model: ModelConfig) -> int:
@@ -43,9 +34,7 @@ def edp(layout: Layout) -> int:
 
 def expert_shard_ranks(layout: Layout) -> int:
     """Ranks a routed expert shard's states are split over (ZeRO stages 1-3), beyond the ep split."""
-    if layout.zero_stage == 0:
-        return 1
-    return edp(layout) if EXPERTS_SHARDED_OVER_EDP else 1
+    return edp(layout) if layout.zero_stage >= 1 else 1
 
 
 def local_experts_model(model: ModelConfig, ep: int) -> ModelConfig:
@@ -71,12 +60,3 @@ def ep_share(model: ModelConfig, layout: Layout, share: Share) -> Share:
         return share
     extra = local_routed(model, layout, share) * (layout.shard / expert_shard_ranks(layout) - 1)
     return replace(share, params=share.params + extra)
-
-
-def cast_copy_bytes(model: ModelConfig, layout: Layout, share: Share, compute_bytes: int,
-                    storage_bytes: int) -> float:
-    """Compute-dtype copies of the local experts that autograd keeps from forward to backward, when the
-    shards are kept whole and stored in a wider dtype than they compute in (see the module notes)."""
-    if layout.ep == 1 or EXPERTS_SHARDED_OVER_EDP or compute_bytes == storage_bytes:
-        return 0.0
-    return local_routed(model, layout, share) * compute_bytes
