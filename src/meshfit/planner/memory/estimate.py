@@ -190,7 +190,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     head_saved = head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
     # Stage 1 and stage-0 replicas accumulate full, unreduced gradients until the last micro-batch (in the
     # reduce dtype).
-    accumulated = n * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
+    held = n - share.expert_surplus  # unsharded: the dense part and the rank's E/ep experts
+    accumulated = held * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
     # ZeRO-2 under mixed precision: earlier micro-batches' gradient shards wait in bf16 (GradientStash) until
     # the last micro-batch's backward has made its fp32 ones, and are added into them after it.
     g_store = STORAGE_BYTES[workload.precision]
@@ -243,7 +244,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         # At the loss stage 3 holds the root and at most one unit (the last one is re-sharded after its
         # forward; backward gathers it again).
         gathered_loss = (share.root_params + (share.layers * share.block_params if keep else unit)) * c_bytes
-        unit_grads = unit * c_bytes
+        grad_unit = share.grad_unit_params or unit  # a padded all-gather's unit has unpadded gradients
+        unit_grads = grad_unit * c_bytes
         r_bytes = _reduce_bytes(workload, layout, c_bytes)
         whole_rerun = layout.activation_checkpointing == "op" or share.rerun(layout.activation_checkpointing) > 0
         if unit < share.block_params and not keep and whole_rerun:
@@ -257,7 +259,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
             # of BACKWARD_TEMPS h-wide values, no gradients yet) or its 16-bit gradients exist next to their
             # fp32 copy for the reduce-scatter; the larger of the two is the peak. Reduced in the compute
             # dtype there is no copy.
-            unit_grads = unit * (r_bytes + c_bytes if r_bytes != c_bytes else c_bytes)
+            unit_grads = grad_unit * (r_bytes + c_bytes if r_bytes != c_bytes else c_bytes)
             working = block_temps
         if accumulated:
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest

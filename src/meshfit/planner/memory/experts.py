@@ -15,6 +15,7 @@ The router gate, norms, shared experts and dense blocks are dense parameters (sh
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from meshfit.layout.layout import Layout
@@ -37,6 +38,21 @@ def expert_shard_ranks(layout: Layout) -> int:
     return edp(layout) if layout.zero_stage >= 1 else 1
 
 
+def rows_per_rank(model: ModelConfig, layout: Layout) -> int:
+    """Experts (rows of the expert dimension) the most-loaded rank keeps of its E/ep: FSDP shards a
+    parameter by rows of its first dimension in chunks of ⌈rows / ranks⌉, so with fewer local experts than
+    edp ranks the first ranks keep a whole expert each and the others none (Mixtral's 8 experts at ep 8
+    over 64 ranks: rank 0 keeps its expert whole, 8 times the even share)."""
+    local = model.moe_experts // layout.ep
+    return math.ceil(local / expert_shard_ranks(layout))
+
+
+def gathered_experts(model: ModelConfig, layout: Layout) -> int:
+    """Experts one all-gather of a block's local experts brings in: FSDP gathers every rank's chunk padded
+    to ⌈rows / ranks⌉, so ⌈E/ep / edp⌉ · edp experts, E/ep when they split evenly."""
+    return rows_per_rank(model, layout) * expert_shard_ranks(layout)
+
+
 def local_experts_model(model: ModelConfig, ep: int) -> ModelConfig:
     """The model as one rank's blocks hold it: E/ep routed experts per block (for unit and block sizes;
     the router keeps its E outputs, a difference of (E − E/ep)·dim parameters per block)."""
@@ -54,9 +70,19 @@ def local_routed(model: ModelConfig, layout: Layout, share: Share) -> float:
 
 def ep_share(model: ModelConfig, layout: Layout, share: Share) -> Share:
     """``share`` (built from ``local_experts_model``) with ``params`` the count whose ``1 / (dp_shard·cp)``
-    is what this rank keeps of weights, gradients and optimizer states: the dense part's share plus
-    routed / (ep · expert_shard_ranks)."""
+    is what this rank keeps of weights, gradients and optimizer states: the dense part's share plus its
+    chunk of the local experts (``rows_per_rank``), and ``unit_params`` the largest FSDP unit: a block's
+    experts are a unit of their own, gathered as ``gathered_experts`` says."""
     if layout.ep == 1 or not model.moe:
         return share
-    extra = local_routed(model, layout, share) * (layout.shard / expert_shard_ranks(layout) - 1)
-    return replace(share, params=share.params + extra)
+    local = model.moe_experts // layout.ep
+    mine = local_routed(model, layout, share) * rows_per_rank(model, layout) / local
+    surplus = mine * layout.shard - local_routed(model, layout, share)
+    per_block = routed_params(model) / model.moe_experts  # one expert
+    experts_unit = per_block * max(local, gathered_experts(model, layout))
+    moe_share = model.moe_layers / model.n_layers
+    rest = share.block_params - moe_share * per_block * local  # the block without its experts (mean)
+    unit = max(min(share.unit_params, rest), experts_unit)
+    grad_unit = max(min(share.unit_params, rest), per_block * local)
+    return replace(share, params=share.params + surplus, unit_params=unit, expert_surplus=surplus,
+                   grad_unit_params=grad_unit)
