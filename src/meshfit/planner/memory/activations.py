@@ -38,7 +38,7 @@ from meshfit.layout.recompute import rerun_blocks
 from meshfit.models.config import MOE_DEFAULTS, ModelConfig, moe_mlp_params
 from meshfit.models.mask_kernel import mask_bytes, mask_kernel
 from meshfit.planner.memory.formulas import activation_bytes_per_layer
-from meshfit.planner.memory.moe_activations import moe_mlp_bytes_per_token
+from meshfit.planner.memory.moe_activations import moe_mlp_bytes_per_token, rank_imbalance
 
 MODES = ("fp32", "bf16")
 
@@ -108,7 +108,7 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
     if policy == "op":
         # Matmul outputs kept, element-wise ones recomputed: SiLU's output and the product of the routed
         # and shared experts' SwiGLU are not kept (not measured yet).
-        width = (model.moe_top_k * (imbalance if ep > 1 else 1.0) + model.moe_shared_experts) * model.moe_hidden
+        width = (model.moe_top_k * rank_imbalance(model, ep, imbalance) + model.moe_shared_experts) * model.moe_hidden
         moe = tokens * (moe_mlp_bytes_per_token(model, p, ep, imbalance) - 2 * p * width)
         mlp = tokens * _op_mlp_per_token(dense_model(model), p, tp)
     else:

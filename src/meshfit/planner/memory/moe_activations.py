@@ -17,6 +17,11 @@ shapes at 4,096 tokens, bf16, balanced routing: 222,232 bytes per token measured
 The most-loaded rank's routed copies at their experts are ``imbalance`` times the balanced share (under
 expert parallelism: a rank whose experts are chosen more receives more copies); the home side is always
 the rank's own tokens × top_k.
+
+The all-to-all's send buffer is the sorted copies themselves, and what it receives becomes, regrouped by
+expert, the kept copy counted above: the received buffer and the sort's one-hot counts are temporaries of
+one block's forward (and their gradients of its backward), never alive at the step's peak in the dry runs
+measured (benchmarks/planner/moe_plan_accuracy.py), so no term of their own.
 """
 
 from __future__ import annotations
@@ -26,10 +31,23 @@ from meshfit.models.config import ModelConfig
 # Bytes per routed copy of the small per-copy tensors at home: int64 choice, order and source (3 × 8), the
 # fp32 gate and its kept value (2 × 4), the boolean keep mask (1).
 _HOME_INDEX_BYTES = 3 * 8 + 2 * 4 + 1
-# One of the measured max / mean tokens-per-expert loads, kept here with what it was measured on: a short
-# real CPU run of `small-moe` (see docs/moe.md, "What the plan counts"). `--explain` shows it as a worst case.
-MEASURED_IMBALANCE = 1.0
-MEASURED_IMBALANCE_NOTE = "not measured yet"
+# A measured worst case, kept here with what it was measured on (`--explain` shows it): the largest max / mean
+# tokens per expert (`moe_load` in metrics.jsonl) of a real 30-step CPU run of `small-moe` (one process, fp32,
+# 8 × 128 tokens a step, auxiliary-loss coefficient 0.01, `meshfit train --set model.preset=small-moe --set
+# train.steps=30`): 3.82 at step 6 (layer 2); its last five steps 1.45-1.70. A per-expert figure: a rank that
+# holds that expert alone (ep = E) receives it; a rank of several experts averages over them.
+MEASURED_IMBALANCE = 3.82
+MEASURED_IMBALANCE_NOTE = ("largest max/mean tokens per expert of a 30-step real CPU run of small-moe, fp32, "
+                           "1,024 tokens a step, at step 6; 1.45-1.70 in its last five steps")
+
+
+def rank_imbalance(model: ModelConfig, ep: int, imbalance: float) -> float:
+    """The routed-copy factor of the most-loaded rank: ``imbalance``, at most what its E/ep experts can
+    receive (each of the ep ranks' tokens sends it at most min(top_k, E/ep) copies); 1 without ep."""
+    if ep == 1:
+        return 1.0
+    k = model.moe_top_k
+    return min(imbalance, ep * min(k, model.moe_experts // ep) / k)
 
 
 def moe_mlp_bytes_per_token(model: ModelConfig, p: int, ep: int = 1, imbalance: float = 1.0) -> float:
@@ -39,16 +57,6 @@ def moe_mlp_bytes_per_token(model: ModelConfig, p: int, ep: int = 1, imbalance: 
     router = 4 * d + 4 * e + 4
     home = k * (_HOME_INDEX_BYTES + 2 * 4 * d)
     at_expert = p * d + 4 * p * f + 1 + (2 * 8 if ep > 1 else 0)
-    routed = k * at_expert * (imbalance if ep > 1 else 1.0)
+    routed = k * at_expert * rank_imbalance(model, ep, imbalance)
     shared = p * d + 4 * p * model.moe_shared_experts * f if model.moe_shared_experts else 0.0
     return router + home + routed + shared
-
-
-def dispatch_buffer_bytes(model: ModelConfig, p: int, tokens: int, ep: int, imbalance: float = 1.0) -> float:
-    """The all-to-all's send and receive buffers of one MoE block's dispatch (tokens × top_k rows of dim in
-    the compute dtype each way; the receive side ``imbalance`` times more on the most-loaded rank): alive
-    while the block's forward runs, and again, for the gradients, in its backward. 0 without ep."""
-    if ep == 1 or not model.moe:
-        return 0.0
-    rows = tokens * model.moe_top_k * model.dim * p
-    return rows * (1 + imbalance)

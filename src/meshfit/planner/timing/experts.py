@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshfit.planner.memory.moe_activations import rank_imbalance
 from meshfit.planner.timing.comms import ALPHA_INTER_S, ALPHA_INTRA_S, COLLECTIVE_BW_EFFICIENCY
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def all_to_all(model: ModelConfig, layout: Layout, cluster: Cluster, mb_tokens: 
     most-loaded rank receives ``imbalance`` times its balanced share)."""
     ep, gpu = layout.ep, cluster.gpu
     sent = mb_tokens * model.moe_top_k * model.dim * cbytes
-    moved = sent * imbalance * (ep - 1) / ep  # what crosses links, on the most-loaded rank
+    moved = sent * rank_imbalance(model, ep, imbalance) * (ep - 1) / ep  # crossing links, most-loaded rank
     per_node = max(1, cluster.gpus_per_node // ep_stride(layout))
     intra = gpu.intra_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY
     nic = gpu.inter_node_bytes_per_s * COLLECTIVE_BW_EFFICIENCY
@@ -84,4 +85,4 @@ def expert_gemms(model: ModelConfig, mb_tokens: int, ep: int, imbalance: float) 
     """(experts on the rank, routed copies each of them computes per micro-batch) under balanced routing
     scaled by ``imbalance`` (the most-loaded rank's)."""
     local = model.moe_experts // ep
-    return local, mb_tokens * model.moe_top_k * ep / model.moe_experts * imbalance
+    return local, mb_tokens * model.moe_top_k * ep / model.moe_experts * rank_imbalance(model, ep, imbalance)
