@@ -190,8 +190,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     head_saved = head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
     # Stage 1 and stage-0 replicas accumulate full, unreduced gradients until the last micro-batch (in the
     # reduce dtype).
-    held = n - share.expert_surplus  # unsharded: the dense part and the rank's E/ep experts
-    accumulated = held * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
+    unsharded = n - share.expert_surplus  # the dense part and the rank's E/ep experts
+    accumulated = unsharded * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
     # ZeRO-2 under mixed precision: earlier micro-batches' gradient shards wait in bf16 (GradientStash) until
     # the last micro-batch's backward has made its fp32 ones, and are added into them after it.
     g_store = STORAGE_BYTES[workload.precision]
