@@ -3,20 +3,25 @@
     python benchmarks/planner/moe_plan_accuracy.py            # small-moe on 4 ranks: ep 1/2/4 × ZeRO 1/2/3
     python benchmarks/planner/moe_plan_accuracy.py --scale    # Mixtral 8x7B at 64 ranks, Qwen3-30B-A3B at 8-64
     python benchmarks/planner/moe_plan_accuracy.py --only ep=8
+    python benchmarks/planner/moe_plan_accuracy.py --scale --measured runs/moe-scale.json  # keep dry runs
 
 Each dry run runs in a fresh process (balanced routing, as the plan's default --moe-imbalance 1). Prints,
 per case, predicted / measured GiB (MiB for small-moe) and the error of each component and of the total.
 
 Rows are data (`Case`); columns are functions of a case (`COLUMNS`, name -> bytes by component), so a column
-measured another way (a real multi-rank run's tracker peak) is one more entry there.
+measured another way (a real multi-rank run's tracker peak) is one more entry there. With ``--measured FILE``
+every column but the plan's is read from FILE when it holds the case, and written there when measured, so a
+changed planner is compared again without dry-running again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshfit.layout.layout import Layout, Workload
 from meshfit.models.presets import get_preset
@@ -97,10 +102,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", action="store_true", help="the large models (each dry run 1-3 minutes)")
     parser.add_argument("--only", default="", help="cases whose name contains this text")
+    parser.add_argument("--measured", type=Path, default=None, help="JSON file keeping the measured columns")
     args = parser.parse_args()
     cases, (unit, unit_name) = (SCALE, (2**30, "GiB")) if args.scale else (SMALL, (2**20, "MiB"))
+    kept = json.loads(args.measured.read_text()) if args.measured and args.measured.exists() else {}
     for case in (c for c in cases if args.only in c.name):
-        print_row(case, {name: column(case) for name, column in COLUMNS.items()}, unit, unit_name)
+        row = kept.setdefault(case.name, {})
+        for name, column in COLUMNS.items():
+            if name == "plan" or name not in row:
+                row[name] = column(case)
+        if args.measured:
+            args.measured.write_text(json.dumps(kept, indent=1) + "\n")
+        print_row(case, {name: row[name] for name in COLUMNS}, unit, unit_name)
 
 
 if __name__ == "__main__":
