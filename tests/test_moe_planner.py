@@ -91,6 +91,32 @@ def test_all_to_alls_through_nics_cost_more_than_inside_a_node() -> None:
     assert step_time(model, Layout(dp_shard=16, zero_stage=3), WORK, NODE).ep_comm_s == 0.0
 
 
+def test_expert_parallelism_moves_fewer_expert_bytes_through_fsdp() -> None:
+    model = get_preset("qwen3-30b-a3b")
+    plain = step_time(model, Layout(dp_shard=16, zero_stage=3), WORK, NODE, dp_overlap=0.0)
+    split = step_time(model, Layout(dp_shard=16, zero_stage=3, ep=8), WORK, NODE, dp_overlap=0.0)
+    assert split.dp_comm_s < plain.dp_comm_s / 2  # routed experts are 95% of its parameters
+
+
+def test_explain_says_why_ep_stays_in_a_node_with_the_plans_numbers() -> None:
+    from meshfit.planner.explain import explain
+    from meshfit.planner.timing.experts import all_to_all
+    from meshfit.util.units import fmt_duration
+
+    plan = search(get_preset("qwen3-30b-a3b"), WORK, NODE, activation_checkpointing="full", micro_batch=1)
+    text = explain(plan)
+    chosen = next(c for c in plan.candidates if c.layout.ep > 1)
+    call = all_to_all(plan.model, chosen.layout, NODE, WORK.seq_len, 2)
+    assert "Why ep inside a node" in text and fmt_duration(call.in_node_seconds) in text
+    assert fmt_duration(call.across_seconds) in text and call.across_seconds > call.in_node_seconds
+
+
+@pytest.mark.parametrize("bad", [0.5, -1.0, "2", True])
+def test_a_bad_imbalance_names_the_field(bad: object) -> None:
+    with pytest.raises(ValueError, match="moe_imbalance=.* must be a number ≥ 1"):
+        dataclasses.replace(WORK, moe_imbalance=bad).check()
+
+
 def test_the_search_enumerates_ep_for_moe_models_only() -> None:
     work = Workload(seq_len=256, global_batch=8)
     cluster = Cluster("H100-SXM", nodes=1, gpus_per_node=4)

@@ -54,7 +54,7 @@ from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.planner.memory.activations import gathered_kv_bytes
 from meshfit.planner.timing.comms import collective_s, cp_comm, dp_comm, exposed, ring, tp_comm
-from meshfit.planner.timing.experts import ep_comm
+from meshfit.planner.timing.experts import ep_comm, fsdp_saved_params
 from meshfit.planner.timing.kernels import kernel_times
 from meshfit.planner.timing.op_count import rank_ops
 
@@ -363,8 +363,10 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     ep_comm_s = m * ep_comm(model, layout, cluster, mb_tokens, cbytes, moe_blocks, rerun * moe_blocks,
                             workload.moe_imbalance)
     rank_params = n_params / (tp * pp)
-    # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
-    dp_comm_s, gathers, reductions = dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
+    # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies; a rank's
+    # E/ep experts over their edp ranks (planner/timing/experts.py).
+    moved = rank_params - fsdp_saved_params(model, layout) / (tp * pp)
+    dp_comm_s, gathers, reductions = dp_comm(layout, cluster, moved, blocks, m, compute_s, recompute_s,
                                              cbytes, sbytes, dp_overlap, of_comm)
 
     bubble_s = pp_comm_s = 0.0

@@ -8,6 +8,8 @@
   their experts, the outputs back) and two in backward (their gradients), again for a forward re-run
   under recompute, each of tokens·top_k rows of dim in the compute dtype per rank, of which (ep−1)/ep
   leave the rank. Not overlapped: the experts wait for their copies, the combine for the outputs.
+* FSDP of the experts: a rank gathers and reduces its E/ep experts over their edp ranks, so data
+  parallelism moves (1 − 1/ep) fewer of the routed experts' bytes per rank (``fsdp_saved_params``).
 * Placement: the ep ranks are the inner part of the dp_shard × cp ranks (ep inner), ``tp`` ranks apart
   (comms.py's rank order), so an ep group of ep·tp ≤ gpus_per_node ranks sits in one node and exchanges
   over its intra-node links; beyond, each rank's copies for other nodes leave through its own NIC (an
@@ -86,3 +88,14 @@ def expert_gemms(model: ModelConfig, mb_tokens: int, ep: int, imbalance: float) 
     scaled by ``imbalance`` (the most-loaded rank's)."""
     local = model.moe_experts // ep
     return local, mb_tokens * model.moe_top_k * ep / model.moe_experts * rank_imbalance(model, ep, imbalance)
+
+
+def fsdp_saved_params(model: ModelConfig, layout: Layout) -> float:
+    """Parameters FSDP's gathers and reductions no longer move per rank under expert parallelism: a rank
+    gathers its E/ep experts (over edp ranks) rather than all E (over dp_shard·cp), so (1 − 1/ep) of the
+    routed experts' bytes, to a ring-factor difference."""
+    if layout.ep == 1 or not model.moe:
+        return 0.0
+    from meshfit.planner.memory.experts import routed_params
+
+    return model.moe_layers * routed_params(model) * (1 - 1 / layout.ep)
