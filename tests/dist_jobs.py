@@ -209,11 +209,14 @@ def train_layouts_job(cfg_dicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def moe_steps_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """Train cfg's steps (no run folder); the losses, gradient norms, tokens per expert, the routers' expert
-    biases afterwards, and each expert weight's (global shape, shape held here)."""
+    """Train cfg's steps (no run folder); the losses, gradient norms, tokens per expert (every layer's, in the
+    records), the expert biases afterwards of the layers this rank holds ({layer: bias}), and each expert
+    weight's (global shape, shape held here)."""
     from torch.distributed.tensor import DTensor
 
     from meshfit.models.moe import MoE
+    from meshfit.models.moe_stats import moe_blocks
+    from meshfit.parallel.compile import compiled_blocks
     from meshfit.train.run import build_run
     from meshfit.train.trainer import train_step
 
@@ -225,20 +228,27 @@ def moe_steps_job(cfg_dict: dict[str, Any]) -> dict[str, Any]:
               for m in moes for name, p in m.experts.named_parameters()}
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "tokens": [r["moe_tokens_max"] for r in records], "shapes": shapes,
+            "aux_losses": [r["moe_aux_loss"] for r in records], "compiled": compiled_blocks(run.model),
             "dropped": sum(r["moe_dropped_tokens"] for r in records),
-            "biases": [m.router.expert_bias.tolist() for m in moes]}
+            "biases": {layer: m.router.expert_bias.tolist() for layer, m in moe_blocks(run.model)},
+            "moe_layers": records[-1]["moe_layers"]}
 
 
 def moe_layouts_job(cfg_dicts: dict[str, dict[str, Any]],
                     resume: tuple[dict[str, Any], dict[str, Any], str] | None = None) -> dict[str, Any]:
     """moe_steps_job for each layout on these ranks; with `resume` (a, b, folder): then the first 5 steps
-    under config a, saved in the folder, and the rest resumed there under config b (losses: "resumed")."""
+    under config a, saved in the folder, and the rest resumed there under config b (losses: "resumed").
+    a or b None: that part runs in another launch (another world size), this one runs the other."""
     out: dict[str, Any] = {name: moe_steps_job(cfg) for name, cfg in cfg_dicts.items()}
     if resume is not None:
-        first, second = config_from_dict(resume[0]), config_from_dict(resume[1])
-        env = init_distributed(first.train.device)
-        stopped = train(first.model_copy(update={"train": first.train.model_copy(update={"stop_after": 5})}),
-                        env, Path(resume[2]))
-        again = second.model_copy(update={"checkpoint": second.checkpoint.model_copy(update={"resume": True})})
-        out["resumed"] = stopped["losses"] + train(again, env, Path(resume[2]))["losses"]
+        losses: list[float] = []
+        if resume[0] is not None:
+            first = config_from_dict(resume[0])
+            stop = first.model_copy(update={"train": first.train.model_copy(update={"stop_after": 5})})
+            losses += train(stop, init_distributed(first.train.device), Path(resume[2]))["losses"]
+        if resume[1] is not None:
+            second = config_from_dict(resume[1])
+            again = second.model_copy(update={"checkpoint": second.checkpoint.model_copy(update={"resume": True})})
+            losses += train(again, init_distributed(second.train.device), Path(resume[2]))["losses"]
+        out["resumed"] = losses
     return out

@@ -40,10 +40,23 @@ def _check_long_scene(root):
     assert (root / "long_memory.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _check_experts_scene(root):
+    """Mixture of Experts: ZeRO-3 alone gathers every expert of a block and does not fit; with ep each rank
+    gathers only its own experts and fits, with the same losses."""
+    scene = json.loads((root / "experts.json").read_text())
+    runs = {e["layout"]: e for e in scene["layouts"]}
+    assert runs["moe-zero3"]["fits"] is False and runs["moe-zero3"]["peak_mem_bytes"] > scene["budget_bytes"]
+    assert runs["moe-ep"]["fits"] and runs["moe-ep"]["peak_mem_bytes"] <= scene["budget_bytes"]
+    # The same sharded model states on both: optimizer states per rank equal.
+    optim = {name: max(m["optim"] for m in e["mem"]) for name, e in runs.items()}
+    assert optim["moe-ep"] == optim["moe-zero3"]
+    assert (root / "experts_memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.multiproc
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(560)
 def test_demo_progression(tmp_path):
-    res = meshfit("demo", "--run-dir", str(tmp_path), timeout=390)
+    res = meshfit("demo", "--run-dir", str(tmp_path), timeout=550)
     assert res.returncode == 0, res.stderr
     summary = {e["layout"]: e for e in json.loads((tmp_path / "summary.json").read_text())}
     budget = parse_bytes(DEMO_BUDGET)
@@ -77,6 +90,7 @@ def test_demo_progression(tmp_path):
         assert entry["predicted_peak_mem_bytes"] == pytest.approx(entry["peak_mem_bytes"], rel=0.10), name
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
     _check_long_scene(tmp_path)
+    _check_experts_scene(tmp_path)
 
     out = res.stdout
     lines = out.splitlines()
@@ -88,10 +102,10 @@ def test_demo_progression(tmp_path):
         assert len(rows) == 1 and f" {entry['peak_mem_bytes'] / 2**20:.1f} │" in rows[0], (name, rows)
     # Each budget error once, one line per failing layout: the rank, the phase and the bytes.
     over = [line for line in lines if "over budget:" in line]
-    assert len(over) == len(FAILING) + 1, over  # and the long scene's ZeRO-3
+    assert len(over) == len(FAILING) + 2, over  # and the long and experts scenes' ZeRO-3
     for line in over:
         assert re.search(r"rank \d+ needed [\d.]+ MiB during (forward|backward|optimizer step), [\d.]+ (B|KiB|MiB) "
-                         r"over the (80|140).0 MiB budget", line), line
+                         r"over the (80|140|300).0 MiB budget", line), line
     assert "memory budget exceeded" not in out + res.stderr  # the ranks' own long reports stay off the console
     # Why the fitting layouts agree, with the measured spread; the data's loss floor, from its generator.
     assert f"ends at the same loss, {min(losses):.4f} (largest difference between them: " \

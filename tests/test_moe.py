@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from meshfit.commands.main import main
 from meshfit.config import ConfigError, load_config
+from meshfit.layout.stage_split import layer_flops
 from meshfit.models import (
     build_model,
     flops_per_token,
@@ -19,8 +20,8 @@ from meshfit.models import (
     num_params,
 )
 from meshfit.models.config import num_active_params
-from meshfit.models.moe import MoE
-from meshfit.models.moe_stats import end_step, take_aux_loss
+from meshfit.models.moe import MoE, load_balancing_loss
+from meshfit.models.moe_stats import end_step, set_aux_loss_scale, uncounted
 from meshfit.planner.memory.shares import _shares
 from meshfit.train.metrics import tensorboard_scalars
 from meshfit.train.shape import resolve_run
@@ -79,7 +80,38 @@ def test_balanced_routing_loads_every_expert_equally_and_the_aux_loss_is_its_coe
     block(torch.randn(1, 32, TINY.dim))
     assert block.counted["tokens"].tolist() == [8.0] * 8  # 64 copies over 8 experts
     # Switch/GShard: E · Σ f_e P_e = Σ P_e = 1 when f_e = 1/E, whatever the scores.
-    assert take_aux_loss(torch.nn.ModuleList([block])).item() == pytest.approx(TINY.moe_aux_loss_coeff, rel=1e-6)
+    assert block.counted["aux_loss"].item() == pytest.approx(TINY.moe_aux_loss_coeff, rel=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_the_aux_loss_trains_in_the_block_with_the_loss_scale(scale: float) -> None:
+    # The router's gradient with the auxiliary loss on is the one without it plus scale · d(aux)/d(router),
+    # and the block's output is the same: the loss trains where the block is, as if added to the step's loss.
+    x = torch.randn(2, 16, TINY.dim, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(2, 16, TINY.dim, generator=torch.Generator().manual_seed(4))
+    on, off = _block(moe_aux_loss_coeff=0.5), _block(moe_aux_loss_coeff=0.0)
+    set_aux_loss_scale(torch.nn.ModuleList([on]), scale)
+    outs = []
+    for block in (on, off):
+        y = block(x)
+        (y * g).sum().backward()
+        outs.append(y.detach())
+    assert torch.equal(outs[0], outs[1])
+    scores, _, _ = on.router(x.view(-1, TINY.dim))
+    demand = on.counted["tokens"]
+    (aux_grad,) = torch.autograd.grad(load_balancing_loss(scores, demand) * 0.5, on.router.gate.weight)
+    expected = off.router.gate.weight.grad + scale * aux_grad
+    assert aux_grad.abs().max() > 1e-4
+    assert (on.router.gate.weight.grad - expected).abs().max().item() < 1e-6
+
+
+def test_a_forward_uncounted_counts_nothing() -> None:
+    block = _block()
+    with uncounted(torch.nn.ModuleList([block])):
+        block(torch.randn(1, 16, TINY.dim))
+    assert block.counted == {}
+    block(torch.randn(1, 16, TINY.dim))
+    assert block.counted["micro_batches"].item() == 1
 
 
 def test_expert_bias_favours_the_underloaded_experts_once_per_step() -> None:
@@ -95,10 +127,38 @@ def test_expert_bias_favours_the_underloaded_experts_once_per_step() -> None:
     assert end_step(torch.nn.ModuleList([block])) is None  # nothing counted since
 
 
+def test_a_stage_holding_some_blocks_sums_every_layer_with_the_other_stages() -> None:
+    # Two pipeline stages, each holding one MoE layer of three: the sum over the stages gives every layer's
+    # counts to both (a stage without any block takes part with zeros), and each moves its own bias only.
+    first, second = _block(moe_bias_update_rate=0.1), _block(moe_bias_update_rate=0.1)
+    for block in (first, second):
+        block(torch.randn(1, 32, TINY.dim))
+    rows = {}
+
+    def stages(name):
+        def add(t):
+            rows[name] = t.clone()
+            if len(rows) == 3:  # the last stage to call adds everyone's rows (an all-reduce's outcome)
+                t.copy_(sum(rows.values()))
+        return add
+    loads = [first.counted["tokens"].clone(), second.counted["tokens"].clone()]
+    cut = lambda block, layer: torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({str(layer): torch.nn.ModuleDict({"mlp": block})})})
+    none = torch.nn.Linear(1, 1)
+    end_step(none, stages("none"), layers=[1, 2, 3], experts=8)
+    end_step(cut(first, 1), stages("first"), layers=[1, 2, 3], experts=8)
+    counts = end_step(cut(second, 3), stages("second"), layers=[1, 2, 3], experts=8)
+    assert counts.layers == [1, 2, 3] and counts.tokens[0].tolist() == loads[0].tolist()
+    assert counts.tokens[1].sum().item() == 0 and counts.tokens[2].tolist() == loads[1].tolist()
+    assert torch.equal(second.router.expert_bias, 0.1 * torch.sign(loads[1].mean() - loads[1]))
+    assert torch.equal(first.router.expert_bias, 0.1 * torch.sign(loads[0].mean() - loads[0]))
+
+
 def test_a_recomputed_forward_counts_nothing_twice() -> None:
     block = _block()
     x = torch.randn(1, 16, TINY.dim, requires_grad=True)
-    checkpoint(block, x, use_reentrant=False).sum().backward()
+    # The whole forward runs again (by default recompute stops at the last saved tensor, before the counting).
+    with set_checkpoint_early_stop(False):
+        checkpoint(block, x, use_reentrant=False).sum().backward()
     assert block.counted["tokens"].sum().item() == 16 * TINY.moe_top_k
     assert block.counted["micro_batches"].item() == 1
 
@@ -125,6 +185,19 @@ def test_parameter_counts_are_the_built_models(name: str) -> None:
     assert _shares(cfg, 64, 1, 1, 1, False)[0].params == num_params(cfg)  # the planner's states count
 
 
+def test_the_stage_split_weighs_a_moe_block_by_its_active_experts() -> None:
+    # Every expert active and no dense block: the block computes as a dense SwiGLU as wide as all its
+    # experts together, plus the router's matmul.
+    every = dataclasses.replace(TINY, moe_dense_layers=0, moe_top_k=TINY.moe_experts)
+    wide = dataclasses.replace(TINY, moe_experts=None, moe_dense_layers=0,
+                               ffn_hidden=TINY.moe_experts * TINY.moe_hidden)
+    assert layer_flops(every, 64) == layer_flops(wide, 64) + 2 * TINY.dim * TINY.moe_experts
+    # The first block dense: the mean of its cost and the MoE blocks' stands for each block.
+    dense = dataclasses.replace(TINY, moe_experts=None, moe_dense_layers=0)
+    moe = dataclasses.replace(TINY, moe_dense_layers=0)
+    assert layer_flops(TINY, 64) == pytest.approx((layer_flops(dense, 64) + layer_flops(moe, 64)) / 2)
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["model.moe_top_k=9"], "model.moe_top_k=9 exceeds model.moe_experts=8"),
     (["model.moe_capacity_factor=0"], "model.moe_capacity_factor=0.0 must be > 0"),
@@ -135,9 +208,12 @@ def test_parameter_counts_are_the_built_models(name: str) -> None:
     (["model.preset=tiny-gpt", "model.moe_top_k=4"], "model.moe_top_k=4: family 'gpt' has no"),
     (["model.preset=tiny", "model.moe_score=sigmoid"], "model.moe_score='sigmoid': it applies to Mixture"),
     (["model.moe_score=relu"], "model.moe_score='relu'; valid: softmax, sigmoid"),
-    (["parallel.tp=2"], "parallel.tp=2: Mixture-of-Experts models"),
-    (["parallel.pp=2"], "parallel.pp=2: Mixture-of-Experts models"),
-    (["parallel.cp=2"], "parallel.cp=2: Mixture-of-Experts models"),
+    # Pipelines take Mixture-of-Experts models; the pipeline's own rules still hold.
+    (["parallel.pp=2", "pipeline.schedule=interleaved-1f1b"], "= 2 × 2 = 4 stages, but the model has 2 layers"),
+    (["parallel.tp=2", "model.qk_norm=true", "model.qk_norm_scope=projection"],
+     "parallel.tp=2: the model's q/k norms normalise the whole projections"),
+    (["parallel.tp=2", "parallel.ep=2"], "parallel.ep=2 must divide parallel.dp_shard × parallel.cp = 1 × 1"),
+    (["parallel.cp=2", "train.seq_len=30"], "parallel.cp=2 cuts each sequence into 2·cp = 4 equal chunks"),
     (["parallel.ep=3"], "parallel.ep=3 must divide parallel.dp_shard × parallel.cp = 2 × 1"),
     (["model.moe_experts=3", "parallel.ep=2"], "parallel.ep=2 must divide model.moe_experts=3"),
     (["parallel.ep=2", "parallel.zero_stage=0"], "parallel.ep=2 must divide parallel.dp_shard × parallel.cp = 1 × 1"),
@@ -153,3 +229,34 @@ def test_bad_settings_are_one_line_naming_the_field(overrides: list[str], needle
     assert main(["train", "--nproc", "2", *sets]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_plan_leaves_moe_blocks_whole(sp: bool) -> None:
+    # tiny-moe: block 0 dense (its MLP split by tp), block 1 a MoE block (router and experts whole).
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from meshfit.parallel.tensor_parallel import tp_plan
+
+    plan = tp_plan(TINY, sp=sp, loss_parallel=False)
+    assert {"layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.1.attention.wq"} <= plan.keys()
+    assert not any(name.startswith("layers.1.feed_forward.") for name in plan)
+    moe_input = plan.get("layers.1.feed_forward")
+    # Under sequence parallelism the block takes this rank's slice as a plain tensor (no gather).
+    assert (moe_input is None) if not sp else (isinstance(moe_input, PrepareModuleInput)
+                                               and moe_input.use_local_output
+                                               and moe_input.desired_input_layouts == moe_input.input_layouts)
+
+
+def test_planner_proposes_neither_tp_nor_cp_for_moe_models() -> None:
+    # Training runs MoE models under tp and cp, but the planner's memory model would split their experts by
+    # tp like a dense MLP: it proposes neither for them yet (and keeps proposing both for dense models).
+    from meshfit.hardware.catalog import Cluster
+    from meshfit.layout.layout import Workload
+    from meshfit.planner.search import enumerate_layouts
+
+    node, work = Cluster("H100-SXM", nodes=1, gpus_per_node=8), Workload(seq_len=65536, global_batch=8)
+    moe = {(lay.tp, lay.cp, lay.pp) for lay in enumerate_layouts(get_preset("small-moe"), work, node, micro_batch=1)}
+    dense = {(lay.tp, lay.cp) for lay in enumerate_layouts(get_preset("small"), work, node, micro_batch=1)}
+    assert {(tp, cp) for tp, cp, _ in moe} == {(1, 1)} and any(pp > 1 for _, _, pp in moe)  # pipelines: proposed
+    assert any(tp > 1 for tp, _ in dense) and any(cp > 1 for _, cp in dense)

@@ -6,12 +6,15 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfit.config import load_config
 from meshfit.models import build_model, init_weights
 from meshfit.models.layers import RMSNorm
+from meshfit.models.moe import MoE
 from meshfit.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshfit.parallel.expert_parallel import AllToAllDispatcher
 from meshfit.train.shape import resolve_run
 
 aten = torch.ops.aten
@@ -95,3 +98,43 @@ def test_norms_inside_a_recomputed_block_are_not_recomputed_a_second_time() -> N
     apply_activation_checkpointing(model, "selective", 2)
     alone = [m.recompute_alone for block in model.layers.values() for m in block.modules() if isinstance(m, RMSNorm)]
     assert alone == [True, True, False, False], alone  # the second of two blocks is checkpointed whole
+
+
+EXCHANGE = "_c10d_functional.all_to_all_single.default"
+
+
+def _moe_exchanges(policy: str) -> tuple[int, int]:
+    """Token exchanges (all-to-alls) of tiny-moe's MoE block under expert parallelism over one rank, in its
+    forward and in its backward under `policy`."""
+    model_cfg = resolve_run(load_config(None, ["model.preset=tiny-moe"]), 1).model
+    model = build_model(model_cfg, "meta")
+    if policy != "none":
+        apply_activation_checkpointing(model, policy, 1)
+    model.to_empty(device="cpu")
+    init_weights(model, 0, model_cfg)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.dispatcher = AllToAllDispatcher(dist.group.WORLD)
+    block = list(model.layers.values())[1]  # the first block is dense
+    x = torch.randn(2, 32, model_cfg.dim, requires_grad=True)
+    forward, backward = _Count(), _Count()
+    with forward:
+        out = block(x, model.rope.cos, model.rope.sin)
+    with backward:
+        out.square().sum().backward()
+    return forward.ops[EXCHANGE], backward.ops[EXCHANGE]
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_op_level_recompute_keeps_the_expert_token_exchange(world_of_one) -> None:
+    """Full recompute exchanges the tokens again in backward (dispatch and combine); op-level recompute keeps
+    what the exchanges brought, as it keeps every collective's output."""
+    sent, kept = _moe_exchanges("none")
+    assert sent == 2 and kept > 0  # dispatch and combine; their backward is the reverse exchange
+    assert _moe_exchanges("full") == (sent, kept + sent)
+    assert _moe_exchanges("op") == (sent, kept)

@@ -16,8 +16,9 @@ from pathlib import Path
 from rich.console import Console
 
 from meshfit.demo.chart import memory_chart
-from meshfit.demo.tables import measured_table, parity_text, plan_table
-from meshfit.demo.trial import Entry, Trial, run_trial
+from meshfit.demo.scene import run_scene
+from meshfit.demo.tables import parity_text
+from meshfit.demo.trial import Entry, Trial
 from meshfit.layout.layout import Layout
 from meshfit.util.units import fmt_bytes, parse_bytes
 
@@ -41,13 +42,10 @@ def long_trials(nproc: int) -> list[Trial]:
 
 
 def run_long_scene(run_dir: Path, nproc: int, console: Console) -> list[Entry]:
-    trials, limit = long_trials(nproc), parse_bytes(LONG_BUDGET)
-    console.print(f"\n[bold]Long sequences.[/bold] The same model on {LONG_SEQ_LEN}-token sequences, one per "
-                  f"rank, under a budget of {fmt_bytes(limit)}: weights are no longer the problem, activations "
-                  "are.")
-    console.print(plan_table(trials, limit))
-    entries = [run_trial(t, run_dir, LONG_BUDGET, console) for t in trials]
-    console.print(measured_table(entries, fmt_bytes(limit)))
+    limit = parse_bytes(LONG_BUDGET)
+    entries = run_scene(f"Long sequences. The same model on {LONG_SEQ_LEN}-token sequences, one per rank, under a "
+                        f"budget of {fmt_bytes(limit)}: weights are no longer the problem, activations are.",
+                        long_trials(nproc), LONG_BUDGET, run_dir, console)
     zero3, cp = entries[0], entries[-1]
     acts = [max((m.get("activations", 0) for m in e.mem), default=0) for e in (zero3, cp)]
     if all(acts):

@@ -7,7 +7,8 @@ without the budget, so the table shows how much it really needs. Results go to D
 chart of the per-rank breakdown to DIR/memory.png. Each layout runs in DIR/<layout> (DIR/<layout>-unbounded
 for the run without the budget); a rerun into the same DIR with --overwrite replaces those folders. DIR
 is never a training run's folder, and the demo runs on 2 or 4 ranks (check_demo_args). A second scene
-(long_sequences.py) runs the same model on long sequences, where activations rather than weights exceed a rank.
+(long_sequences.py) runs the same model on long sequences, where activations rather than weights exceed a rank;
+a third (experts.py) a Mixture-of-Experts version of it, whose gathered experts exceed a rank under ZeRO-3.
 
 The console output fits 100 columns. Python warnings of the demo's own process (torch's among them) go to
 DIR/warnings.log; the ranks keep theirs in their run folders (DIR/<layout>/warnings.log), and the
@@ -27,6 +28,7 @@ from rich.console import Console
 from meshfit.config import Config, ConfigError
 from meshfit.demo.categories import category_note
 from meshfit.demo.chart import memory_chart
+from meshfit.demo.experts import expert_trials, run_experts_scene
 from meshfit.demo.long_sequences import long_trials, run_long_scene
 from meshfit.demo.tables import accuracy_table, floor_text, make_console, measured_table, parity_text, plan_table
 from meshfit.demo.trial import (
@@ -99,8 +101,8 @@ def check_demo_args(run_dir: Path, nproc: int, overwrite: bool) -> None:
         raise ConfigError(f"--run-dir {run_dir} holds a training run ({'; '.join(training)}), not a demo's "
                           "output: choose another --run-dir for the demo (--overwrite replaces only an earlier "
                           "demo's output)")
-    trials = [*demo_trials(nproc), *long_trials(nproc)]
-    earlier = [p.name for p in (run_dir / "summary.json", run_dir / "long_sequences.json",
+    trials = [*demo_trials(nproc), *long_trials(nproc), *expert_trials(nproc)]
+    earlier = [p.name for p in (run_dir / "summary.json", run_dir / "long_sequences.json", run_dir / "experts.json",
                                 *(run_dir / t.name for t in trials)) if p.exists()]
     if earlier and not overwrite:
         raise ConfigError(f"--run-dir {run_dir} holds an earlier demo's output ({', '.join(earlier)}): replace it "
@@ -160,10 +162,12 @@ def _run(run_dir: Path, nproc: int, budget: str, console: Console) -> int:
     (run_dir / "summary.json").write_text(json.dumps([e.to_json() for e in entries], indent=2))
     memory_chart([e.to_json() for e in entries], limit, run_dir / "memory.png")
     run_long_scene(run_dir, nproc, console)
+    run_experts_scene(run_dir, nproc, console)
     logs = warning_logs(run_dir)
     if logs:
         where = ", ".join(str(p.relative_to(run_dir)) for p, _ in logs)
         console.print(f"Warnings kept off the console: {sum(n for _, n in logs)} lines in {run_dir}: {where}")
     console.print(f"Done in {time.monotonic() - start:.0f} s. summaries: {run_dir / 'summary.json'}, "
-                  f"{run_dir / 'long_sequences.json'}; charts: {run_dir / 'memory.png'}, {run_dir / 'long_memory.png'}")
+                  f"{run_dir / 'long_sequences.json'}, {run_dir / 'experts.json'}; charts: {run_dir / 'memory.png'}, "
+                  f"{run_dir / 'long_memory.png'}, {run_dir / 'experts_memory.png'}")
     return 0

@@ -48,6 +48,7 @@ class Trial:
     why: str  # what the layout keeps per rank, for the table
     global_batch: int = DEMO_GLOBAL_BATCH
     seq_len: int = DEMO_SEQ_LEN
+    model: tuple[str, ...] = ()  # model.* overrides on top of the demo's model (another scene's model)
 
     @property
     def sections(self) -> dict[str, dict[str, Any]]:
@@ -59,8 +60,8 @@ class Trial:
     def overrides(self) -> list[str]:
         """On top of the demo's own settings (which a config section would not override)."""
         if self.seq_len == DEMO_SEQ_LEN:
-            return []
-        return [f"train.seq_len={self.seq_len}",
+            return list(self.model)
+        return [*self.model, f"train.seq_len={self.seq_len}",
                 f"model.max_seq_len={max(self.seq_len, demo_config().model.resolve().max_seq_len)}"]
 
     def config(self, *overrides: str) -> Config:

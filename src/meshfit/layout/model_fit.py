@@ -46,20 +46,14 @@ def pipeline_model_error(model: ModelConfig, pp: int, virtual_stages: int) -> st
 
 def moe_layout_error(model: ModelConfig, tp: int, pp: int, cp: int) -> str | None:
     """None when the layout runs this model's blocks as they are; else why not. Mixture-of-Experts blocks run
-    under data parallelism (DDP, ZeRO-1/2/3, FSDP, HSDP) only for now: tensor parallelism has no plan for the
-    routed experts, pipeline stages would need the auxiliary loss carried between stages, and context
-    parallelism would balance each rank's chunk of a sequence rather than the sequence. q/k norms over the
-    whole projections (OLMoE) need the projections whole, which tensor parallelism splits."""
+    under data, expert, context, tensor and pipeline parallelism (attention split, the MoE block whole on
+    every tp rank: with sequence parallelism each routes its slice; the auxiliary loss trains in its block,
+    on any stage). q/k norms over the whole projections (OLMoE) need the projections whole, which tensor
+    parallelism splits. Every `pp` runs (kept in the signature: plan, verify and train ask with the whole
+    layout)."""
     if tp > 1 and model.qk_norm and model.qk_norm_scope == "projection":
         return (f"parallel.tp={tp}: the model's q/k norms normalise the whole projections "
                 "(model.qk_norm_scope=projection), which tensor parallelism splits; use parallel.tp=1")
-    if not model.moe:
-        return None
-    for field, degree in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.cp", cp)):
-        if degree > 1:
-            return (f"{field}={degree}: Mixture-of-Experts models (model.moe_experts={model.moe_experts}) train "
-                    "under data parallelism only for now (DDP, ZeRO-1/2/3, FSDP, HSDP); use "
-                    f"{field}=1 and give the ranks to parallel.dp_shard")
     return None
 
 
@@ -68,9 +62,9 @@ def expert_parallel_error(model: ModelConfig, ep: int, shard: int, offload: bool
 
     The ep ranks are borrowed from the `shard` ranks (dp_shard × cp: each group of ep consecutive ones
     splits the experts; the groups replicate them), so ep divides them (layout/rules.py) and the expert
-    count. The dense parts stay under FSDP (ZeRO-1/2/3); the expert shards are replicated over the other
-    ranks with their gradients all-reduced there, which is implemented next to FSDP only: DDP
-    (zero_stage=0) and offload are refused."""
+    count. The dense parts stay under FSDP (ZeRO-1/2/3); the expert shards are FSDP-sharded over the other
+    ranks that hold the same experts, which is implemented next to FSDP only: DDP (zero_stage=0) and
+    offload are refused."""
     if ep == 1:
         return None
     if not model.moe:

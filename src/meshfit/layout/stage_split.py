@@ -6,14 +6,21 @@ output head's matmul (the embedding lookup costs next to nothing, so the first s
 
 from __future__ import annotations
 
-from meshfit.models.config import ModelConfig
+from meshfit.models.config import ModelConfig, moe_mlp_params
 
 
 def layer_flops(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of one transformer block (matmuls + attention scores and weighted sum)."""
+    """Forward FLOPs per token of one transformer block (matmuls + attention scores and weighted sum).
+
+    A Mixture-of-Experts block computes with its router, top_k routed and its shared experts (its active
+    weights, not all of them); where the first blocks stay dense, the mean over the model's blocks stands
+    for each (the split weighs every block alike)."""
     q, kv = cfg.q_width, cfg.n_kv_heads * cfg.head_size
     attn = 2 * cfg.dim * (2 * q + 2 * kv)  # q and output projections, k and v projections
     mlp = 2 * cfg.dim * cfg.ffn_hidden * (3 if cfg.family == "llama" else 2)
+    if cfg.moe_layers:
+        mlp = (mlp * (cfg.n_layers - cfg.moe_layers) + 2 * moe_mlp_params(cfg, active=True) * cfg.moe_layers) \
+            / cfg.n_layers
     return attn + mlp + 4 * q * seq_len
 
 

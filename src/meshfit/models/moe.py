@@ -15,12 +15,15 @@
   between ranks (parallel/expert_parallel.py).
 
 The block reads no parallel size. What it counts for the step (tokens per expert, dropped tokens, the
-auxiliary loss) stays on the module until the trainer takes it (models/moe_stats.py).
+auxiliary loss) stays on the module until the trainer takes it (models/moe_stats.py). The auxiliary loss
+trains where the block is (``AuxLossScaler``), so no loss function elsewhere (a pipeline's last stage,
+another rank) needs to see it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshfit.models.config import ModelConfig
+
+# (fraction, mean probabilities) of one part of the sequences -> the whole sequences' (parallel/moe_parts.py).
+Parts = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Router(nn.Module):
@@ -191,6 +197,23 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class AuxLossScaler(torch.autograd.Function):
+    """Returns the block's output unchanged and, in backward, gives the auxiliary loss the gradient `scale`:
+    the loss trains as if added to the step's loss, wherever that loss is computed (Megatron-Core's
+    MoEAuxLossAutoScaler has the same idea). `scale` is what the language-model loss of the micro-batch is
+    scaled by before it reaches the gradients (the trainer sets it: models/moe_stats.set_aux_loss_scale)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.aux_meta, ctx.scale = (aux.shape, aux.dtype, aux.device), scale
+        return out.view_as(out)  # a view: autograd needs a new tensor for the output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward now (activation checkpointing recomputing the forward)."""
     return torch._C._current_graph_task_id() != -1
@@ -209,38 +232,62 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coeff = cfg.moe_aux_loss_coeff
         self.bias_rate = cfg.moe_bias_update_rate
-        self.aux_loss: torch.Tensor | None = None  # this micro-batch's, until the trainer takes it
+        self.aux_grad_scale = 1.0  # the auxiliary loss's gradient (AuxLossScaler), set by the trainer
+        self.counting = True  # off while a pipeline stage runs a forward only to learn its shapes
+        # Set by the layout where this rank holds a part of each sequence (context or sequence parallelism):
+        # the whole sequences' (f, P) of the auxiliary loss from this part's (parallel/moe_parts.py). None: whole.
+        self.sequence_parts: Parts | None = None
         self.counted: dict[str, torch.Tensor] = {}  # this step's tokens per expert, dropped copies, aux loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        out = self._routed(flat)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x)
+
+    # torch.compile (train.compile) runs this part eagerly, a graph break on each side: the dispatch reads
+    # split sizes on the host (.tolist() under expert parallelism), the expert kernel is chosen by the
+    # storage alignment of its operands, and the counts are kept only outside a recomputing backward,
+    # which a traced graph could not tell apart. The rest of the block (attention, norms, shared experts)
+    # is compiled.
+    @torch.compiler.disable
+    def _routed(self, flat: torch.Tensor) -> torch.Tensor:
+        """The routed experts' gate-weighted outputs for the tokens `flat` [T, D]; counts them for the step."""
         scores, chosen, gates = self.router(flat)
         routed = self.dispatcher.dispatch(flat, chosen, gates, self.router.experts, self.capacity_factor,
                                           balanced=self.router.balanced)
         out = self.dispatcher.combine(self.experts(routed.tokens, routed.counts), routed, flat.shape[0])
-        if self.shared is not None:
-            out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
             # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.
-            aux = load_balancing_loss(scores, routed.demand) * self.aux_coeff if self.aux_coeff > 0 else None
-            if not _in_backward():
+            aux = (load_balancing_loss(scores, routed.demand, self.sequence_parts) * self.aux_coeff
+                   if self.aux_coeff > 0 else None)
+            if aux is not None:
+                out = AuxLossScaler.apply(out, aux, self.aux_grad_scale)
+            if self.counting and not _in_backward():
                 self._account(aux, scores, routed)
-        return out.view_as(x)
+        return out
 
+    @torch.no_grad()
     def _account(self, aux: torch.Tensor | None, scores: torch.Tensor, routed: Routed) -> None:
-        self.aux_loss = aux if self.aux_loss is None or aux is None else self.aux_loss + aux
-        with torch.no_grad():
-            step = {"tokens": routed.demand.float(), "dropped": routed.dropped.float(),
-                    "aux_loss": aux.detach() if aux is not None else scores.new_zeros(()),
-                    "micro_batches": scores.new_ones(())}
-            for key, value in step.items():
-                self.counted[key] = self.counted[key] + value if key in self.counted else value
+        step = {"tokens": routed.demand.float(), "dropped": routed.dropped.float(),
+                "aux_loss": aux.detach() if aux is not None else scores.new_zeros(()),
+                "micro_batches": scores.new_ones(())}
+        for key, value in step.items():
+            self.counted[key] = self.counted[key] + value if key in self.counted else value
 
 
-def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, demand: torch.Tensor, parts: Parts | None = None) -> torch.Tensor:
     """Switch/GShard load-balancing loss, ``E · Σ_e f_e · P_e``: f_e the fraction of routed copies that chose
     expert e, P_e the mean probability it got (sigmoid scores normalised per token). 1 when balanced.
-    (transformers' ``load_balancing_loss_func`` is top_k times this, over all layers' tokens at once.)"""
+    (transformers' ``load_balancing_loss_func`` is top_k times this, over all layers' tokens at once.)
+
+    `parts`: these tokens are one part of each sequence, the others on other ranks; it turns this part's f
+    and P into the whole sequences' (the loss is not linear in the tokens), so that every part computes the
+    loss a process holding whole sequences does, with a gradient the layout's reduction makes exact."""
     probs = scores / scores.sum(dim=-1, keepdim=True)
     fraction = demand.float() / demand.sum()
-    return scores.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+    mean_probs = probs.mean(dim=0)
+    if parts is not None:
+        fraction, mean_probs = parts(fraction, mean_probs)
+    return scores.shape[-1] * (fraction * mean_probs).sum()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
 from meshfit.layout.recompute import checkpointed_blocks
 from meshfit.models.layers import RMSNorm
@@ -23,11 +22,38 @@ _KEEP = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    # Expert parallelism's token exchange (parallel/expert_parallel.py): kept, not sent again in backward.
+    # The exchange of the per-expert counts before it (an in-place c10d op, a few integers) runs again.
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
+
+
+# Profiler annotations (record_function) compute nothing. FSDP's hooks of a unit nested inside a block (the
+# expert shards under expert parallelism, parallel/data_parallel.py) open more of them in the recompute than
+# in the forward, and torch 2.13's selective checkpointing refuses any operator the forward did not record
+# ("... invocation index 2 encountered during backward but not found in storage"); they run as they come.
+# (A change proposed to torch, pytorch/pytorch#196862, has selective checkpointing ignore them itself.)
+_ANNOTATIONS = {torch.ops.profiler._record_function_enter_new.default,
+                torch.ops.profiler._record_function_exit._RecordFunction}
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Recompute(_CachedTorchDispatchMode):
+    """The recompute side of selective checkpointing, letting profiler annotations through."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _ANNOTATIONS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _op_level_contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """torch's selective checkpointing contexts for the "op" policy (the forward's, the recompute's)."""
+    forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+    return forward, _Recompute(None, recompute.storage)
 
 
 def keeps_block_graph(block: nn.Module) -> bool:
@@ -49,7 +75,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
         return
     context = {}
     if mode == "op":
-        context["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+        context["context_fn"] = _op_level_contexts
     names = list(model.layers.keys())
     for index in checkpointed_blocks(len(names), mode, every):
         block = model.layers[names[index]]

@@ -3,7 +3,9 @@
 Each block (after tensor parallelism and recompute wrapping, before FSDP) is compiled in place with
 ``nn.Module.compile(fullgraph=True)``, as torchtitan does: the blocks repeat, so dynamo traces one and
 reuses the code for the others, and compiling in place keeps every parameter name (checkpoints and
-initialization see the plain names). The embedding, final norm, head and loss stay eager. Compilation
+initialization see the plain names). The embedding, final norm, head and loss stay eager. A
+Mixture-of-Experts block is compiled without fullgraph: its routed part (router, dispatch, experts, combine)
+runs eagerly between two graphs (models/moe.py says why), attention, norms and shared experts compiled. Compilation
 happens lazily, in the first forward and backward that run each graph; `compile_seconds` reads torch's own
 cumulative compile-time counter so the trainer can report it and keep those steps out of step-time figures.
 
@@ -18,6 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
+from meshfit.models.moe import MoE
 from meshfit.parallel.fsdp_units import sub_units
 
 
@@ -32,8 +35,10 @@ def apply_compile(model: nn.Module, max_unit_params: int | None = None) -> int:
     for block in model.layers.values():
         units = sub_units(block, max_unit_params)
         for module in [u for u in units if not type(u).__module__.startswith("torch.")] if units else [block]:
-            # fullgraph: a graph break inside would split it silently into eager pieces; fail instead.
-            module.compile(fullgraph=True)
+            # fullgraph: a graph break inside would split it silently into eager pieces; fail instead. A
+            # Mixture-of-Experts block breaks on purpose around its routed part (models/moe.py), which runs
+            # eagerly, so it cannot ask for one whole graph.
+            module.compile(fullgraph=not any(isinstance(m, MoE) for m in module.modules()))
             compiled += 1
     if getattr(model, "tok_embeddings", None) is not None:
         # Registered after tensor parallelism's own output hook, so it sees what the first block gets.

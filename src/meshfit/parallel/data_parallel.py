@@ -122,9 +122,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
         for unit in (m for m in block.modules() if m in expert_units):
             fully_shard(unit, mesh=experts.mesh, mp_policy=block_policy, **kwargs)
             unit.set_gradient_divide_factor(experts.divide_factor)
-            # gloo has no pre-multiplied sum: sum, then divide. (On one rank FSDP divides without a
-            # collective, and would divide a second time if forced to sum: torch 2.13.)
-            if experts.mesh.device_type == "cpu" and experts.mesh.size() > 1:
+            # gloo has no pre-multiplied sum: sum, then divide. (Where the shard dimension has one rank, FSDP
+            # divides without a reduce-scatter, and would divide a second time after HSDP's all-reduce if
+            # forced to sum: torch 2.13; HSDP with dp_shard = ep had its expert gradients divided twice.)
+            if experts.mesh.device_type == "cpu" and experts.mesh.size(experts.mesh.ndim - 1) > 1:
                 unit.set_force_sum_reduction_for_comms(True)
         for unit in sub_units(block, max_unit_params):
             if unit not in expert_units:

@@ -26,6 +26,7 @@ from meshfit.parallel.context_parallel import apply_context_parallel
 from meshfit.parallel.data_parallel import ExpertSharding, apply_ddp, apply_fsdp, expert_fsdp_mesh, fsdp_mesh
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.expert_parallel import apply_expert_parallel
+from meshfit.parallel.moe_parts import apply_sequence_parts, parts_mesh, tp_routes_slices
 from meshfit.parallel.sp_regather import regather_in_backward
 from meshfit.parallel.tensor_parallel import apply_tensor_parallel, gathered_input_regions
 
@@ -46,9 +47,10 @@ def apply_model_parallel(model: nn.Module, model_cfg: ModelConfig, tp_mesh: Devi
         # Blocks that keep their graph keep only the sequence shard of their gathered inputs; checkpointed
         # blocks keep nothing of them anyway. Compiled blocks keep them: the re-gathering works through
         # saved-tensor hooks, which torch.compile cannot trace (op-level recompute gathers them again).
-        for block in model.layers.values():
+        for name, block in model.layers.items():
             if keeps_block_graph(block) and not compile_blocks:
-                for region, projections in gathered_input_regions(block, model_cfg.family):
+                moe = model_cfg.is_moe_layer(int(name))
+                for region, projections in gathered_input_regions(block, model_cfg.family, moe):
                     regather_in_backward(region, projections)
         if model.output is not None:  # the head (never compiled) gathers the final norm's output itself
             regather_in_backward(model.output, [model.output])
@@ -82,6 +84,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes, model_cfg:
     tp_mesh = meshes.world["tp"] if dims.tp > 1 else None
     cp_mesh = meshes.world["cp"] if dims.cp > 1 else None
     apply_model_parallel(model, model_cfg, tp_mesh, parallel, compile_blocks, cp_mesh, seq_len)
+    if model_cfg.moe and (parts := parts_mesh(meshes.world, dims.cp, dims.tp, parallel.sp)) is not None:
+        # Ranks holding parts of the same sequences: MoE blocks compute the whole sequences' auxiliary loss.
+        apply_sequence_parts(model, parts, summed=dims.tp if tp_routes_slices(dims.tp, parallel.sp) else 1)
     # Expert shards are DTensors over the expert mesh's ep ranks, FSDP-sharded over its edp ranks.
     experts = None
     if meshes.experts is not None:

@@ -17,6 +17,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from meshfit.layout.schedules import SCHEDULES
 from meshfit.layout.stage_split import balanced_split, head_flops, layer_flops
 from meshfit.models import ModelConfig
+from meshfit.models.moe_stats import uncounted
 from meshfit.parallel.pipeline_memory import LeanStage, SendWaits
 
 
@@ -76,6 +77,15 @@ def build_schedule(name: str, stages: list[PipelineStage], microbatches: int, lo
     return schedule, (SendWaits.install(schedule, stages) if multi else None)
 
 
+class _Stage(LeanStage):
+    """torch (2.13) learns a stage's shapes by running it once, forward and backward, on placeholder
+    inputs before the first step: that forward counts no Mixture-of-Experts tokens (models/moe_stats)."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with uncounted(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+
 def make_stage(module: nn.Module, stage_id: int, n_stages: int, device: torch.device, group) -> PipelineStage:
     """A stage whose receive buffers exist only while their micro-batch needs them (pipeline_memory)."""
-    return LeanStage(module, stage_id, n_stages, device, group=group)
+    return _Stage(module, stage_id, n_stages, device, group=group)

@@ -2,7 +2,8 @@
 
 Attention q/k/v (with their biases) and MLP up/gate are split by output columns, attention output and MLP
 down by input rows, so each block needs one reduction in forward and one in backward; per-head q/k norms
-stay whole on every rank. The token embedding is split by vocabulary rows and the output head by vocabulary columns. With sequence parallelism the norms, dropout and
+stay whole on every rank, and so does a Mixture-of-Experts MLP (router and experts: expert parallelism
+splits the experts). The token embedding is split by vocabulary rows and the output head by vocabulary columns. With sequence parallelism the norms, dropout and
 the residual stream between the split regions hold 1/t of the sequence; with loss parallelism the
 cross-entropy runs on vocabulary-sharded logits that are never gathered.
 """
@@ -26,15 +27,16 @@ from torch.distributed.tensor.parallel import (
 from meshfit.models import ModelConfig
 
 
-def _block_plan(family: str, sp: bool, qk_norm: bool = False) -> dict[str, ParallelStyle]:
+def _block_plan(family: str, sp: bool, qk_norm: bool = False, moe: bool = False) -> dict[str, ParallelStyle]:
     residual = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
-    if family == "llama":
-        plan["feed_forward.w3"] = ColwiseParallel()
+    if not moe:  # a Mixture-of-Experts MLP stays whole (tp_plan)
+        plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=residual)})
+        if family == "llama":
+            plan["feed_forward.w3"] = ColwiseParallel()
     if qk_norm:
         # Each rank normalises its own query and key heads ([b, s, heads, head_dim], heads split: Shard(2))
         # with the whole per-head weight (replicated), whose gradient is summed over the heads of every rank.
@@ -47,8 +49,12 @@ def _block_plan(family: str, sp: bool, qk_norm: bool = False) -> dict[str, Paral
             "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), *extra),
                                             desired_input_layouts=(Replicate(), *extra)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
+        # A Mixture-of-Experts block routes the slice of the sequence this rank holds, as plain tensors; its
+        # plain output joins the residual stream's slice (parallel/moe_parts.py sums its gradients over tp).
+        plan["feed_forward"] = (PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                   use_local_output=True) if moe else
+                                PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
     return plan
 
 
@@ -78,7 +84,12 @@ def tp_plan(cfg: ModelConfig, *, sp: bool, loss_parallel: bool, layers: list[str
                                                              desired_input_layouts=(Shard(1),),
                                                              use_local_output=True)
     for name in layers:
-        plan.update({f"layers.{name}.{path}": style for path, style in _block_plan(cfg.family, sp, cfg.qk_norm).items()})
+        # A Mixture-of-Experts block stays whole on every tp rank: without sequence parallelism the residual
+        # stream reaches it as the same plain tensor on each (the attention's row-parallel output is
+        # replicated), so its router, experts and their gradients are the same on each, as the norms' are.
+        # With sequence parallelism each rank routes its slice.
+        block = _block_plan(cfg.family, sp, cfg.qk_norm, moe=cfg.is_moe_layer(int(name)))
+        plan.update({f"layers.{name}.{path}": style for path, style in block.items()})
     return plan
 
 
@@ -93,13 +104,15 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, 
         model.output.weight = model.tok_embeddings.weight
 
 
-def gathered_input_regions(block: nn.Module, family: str) -> list[tuple[nn.Module, list[nn.Module]]]:
+def gathered_input_regions(block: nn.Module, family: str,
+                           moe: bool = False) -> list[tuple[nn.Module, list[nn.Module]]]:
     """Under sequence parallelism: each module of ``block`` whose input is all-gathered along the
-    sequence, with the column-parallel projections that read the gathered input."""
-    plan = _block_plan(family, sp=True)
+    sequence, with the column-parallel projections that read the gathered input (a Mixture-of-Experts
+    block, `moe`, reads its slice: only the attention's is gathered)."""
+    plan = _block_plan(family, sp=True, moe=moe)
     return [(block.get_submodule(region), [block.get_submodule(name) for name, style in plan.items()
                                            if name.startswith(f"{region}.") and isinstance(style, ColwiseParallel)])
-            for region in ("attention", "feed_forward")]
+            for region in (("attention",) if moe else ("attention", "feed_forward"))]
 
 
 def tp_degree_error(cfg: ModelConfig, tp: int, seq_len: int, sp: bool,

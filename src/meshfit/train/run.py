@@ -22,6 +22,7 @@ from meshfit.memory.meter import MemoryMeter, rank_tracker
 from meshfit.memory.tracker import limit_cuda_memory
 from meshfit.models import build_model, flops_per_token
 from meshfit.models.hf_read import HFWeights
+from meshfit.models.moe_stats import set_aux_loss_scale
 from meshfit.parallel.context_parallel import shard_sequence
 from meshfit.parallel.data_parallel import GradientStash, gradient_stash
 from meshfit.parallel.dims import Meshes
@@ -93,6 +94,9 @@ def build_run(cfg: Config, env: RankEnv, run_dir: Path | None,
                             zero_stage=shape.zero_stage, mixed_precision=shape.mixed_precision,
                             device=env.device, seed=cfg.train.seed, weights=weights, materialize=materialize,
                             compile_blocks=cfg.train.compile, seq_len=cfg.train.seq_len)
+    # Mixture-of-Experts load balancing trains in the blocks with the gradient the step gives its loss:
+    # 1 / accumulation steps, or 1 under a pipeline (its schedule divides the gradients by the micro-batches).
+    set_aux_loss_scale(model, 1.0 if pipe is not None else 1.0 / shape.accum_steps)
     optimizer = build_optimizer(model, cfg.train)
     source, held = data_sources(cfg, model_cfg.vocab_size, str(run_dir) if run_dir else None)
     batches = TokenBatches(source, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,

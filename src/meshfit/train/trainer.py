@@ -25,9 +25,10 @@ from meshfit.config import Config
 from meshfit.data.boundaries import Packed, counted
 from meshfit.layout.data_parallel_kind import data_parallel_kind
 from meshfit.models.loss import lm_loss
-from meshfit.models.moe_stats import end_step, take_aux_loss
+from meshfit.models.moe_stats import end_step
 from meshfit.parallel.compile import compile_seconds, eager_blocks
 from meshfit.parallel.data_parallel import set_micro_batch
+from meshfit.parallel.moe_parts import sum_moe_grads, tp_routes_slices
 from meshfit.train.checkpoint import Checkpointer
 from meshfit.train.dist import RankEnv
 from meshfit.train.evaluate import evaluate, evaluation_due
@@ -79,9 +80,10 @@ def _forward_backward(run: Run, batch: Packed, scale: float | None) -> torch.Ten
     with loss_parallel() if run.cfg.parallel.loss_parallel else contextlib.nullcontext():
         logits = run.model(batch.inputs.to(device), **batch.model_kwargs(device))
         loss = lm_loss(logits, batch.targets.to(device), run.shape.model.vocab_size, scale)
-        aux = take_aux_loss(run.model)  # Mixture-of-Experts load balancing: trained, not reported as loss
+        # Mixture-of-Experts load balancing trains inside the blocks (models/moe.AuxLossScaler), scaled as
+        # this loss is (run.py sets it): not added here, not reported as loss.
         run.tracker.phase = "backward"
-        ((loss if aux is None else loss + aux) / run.shape.accum_steps).backward()
+        (loss / run.shape.accum_steps).backward()
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
@@ -116,17 +118,50 @@ def _ddp(run: Run) -> bool:
     return _kind(run) == "ddp"
 
 
-def _dp_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
-    """Sums a tensor in place over the data-parallel ranks (those that see different tokens)."""
-    if run.shape.dims.dp == 1:
+def _token_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
+    """Sums a tensor in place over the ranks that see different tokens: the data-parallel ones, the cp
+    ranks holding the other parts of their sequences, and the tp ranks under sequence parallelism (Mixture-
+    of-Experts blocks count the slice they route; without it every tp rank counts the same tokens)."""
+    dims = run.shape.dims
+    groups = [run.meshes.dp_cp.get_group()] if dims.dp * dims.cp > 1 else []
+    if tp_routes_slices(dims.tp, run.cfg.parallel.sp):
+        groups.append(run.meshes.world["tp"].get_group())
+    if not groups:
         return None
-    group = run.meshes.dp.get_group()
-    return lambda t: torch.distributed.all_reduce(t, group=group)
+
+    def reduce(t: torch.Tensor) -> None:
+        for group in groups:
+            torch.distributed.all_reduce(t, group=group)
+    return reduce
+
+
+def _moe_sum(run: Run) -> Callable[[torch.Tensor], None] | None:
+    """Sums the Mixture-of-Experts counts over the ranks that see different tokens (_token_sum) and, under
+    a pipeline, over the stages (each holds the rows of its own blocks, zeros elsewhere): every rank gets
+    every layer's."""
+    dp_sum = _token_sum(run)
+    if run.pipe is None:
+        return dp_sum
+    stages = run.meshes.world["pp"].get_group()
+
+    def both(t: torch.Tensor) -> None:
+        if dp_sum is not None:
+            dp_sum(t)
+        torch.distributed.all_reduce(t, group=stages)
+    return both
+
+
+def _moe_layers(run: Run) -> list[int] | None:
+    """Every MoE layer of the model under a pipeline (a stage holds some); None: this rank holds them all."""
+    model = run.shape.model
+    return [i for i in range(model.n_layers) if model.is_moe_layer(i)] if run.pipe is not None else None
 
 
 def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | None, tracking: bool,
                     read: bool) -> tuple[torch.Tensor, Vote]:
     run.tracker.phase = "optimizer step"
+    if tp_routes_slices(run.shape.dims.tp, run.cfg.parallel.sp):
+        sum_moe_grads(run.model, run.meshes.world["tp"])  # MoE blocks routed a slice each (none: nothing)
     params = list(run.model.parameters())
     squares = grad_squares(params, run.env.world_size // run.shape.dims.pp)
     local_ok = guard.locally_finite(losses, squares) if guard is not None else True
@@ -142,7 +177,8 @@ def _optimizer_step(run: Run, losses: list[torch.Tensor], guard: StepGuard | Non
     allowed = guard is None or guard.allow_step(vote.tally, grad_norm)
     # Mixture-of-Experts counts of the step, summed over the data-parallel ranks; the expert biases move
     # with the step (not on a skipped one).
-    run.moe_counts = end_step(run.model, _dp_sum(run), update_bias=allowed)
+    run.moe_counts = end_step(run.model, _moe_sum(run), update_bias=allowed, layers=_moe_layers(run),
+                              experts=run.shape.model.moe_experts)
     if not allowed:
         return grad_norm, vote  # skipped: gradients dropped, parameters, optimizer and schedule untouched
     run.optimizer.step()
