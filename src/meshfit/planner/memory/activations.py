@@ -103,8 +103,10 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
     dense = _block_bytes(dense_model(model), **kw)
     p = value_bytes(mode)
     tokens = seq // cp * batch
-    # The dense MLP's terms out (its input and SwiGLU's four intermediates), the MoE MLP's in.
+    # The dense MLP's terms out (its input and SwiGLU's four intermediates), the MoE MLP's in. The MoE block
+    # is whole on every tensor-parallel rank, which routes its sequence slice under SP, else every token.
     mlp = tokens * p * (model.dim / (tp if sp else 1) + 4 * model.ffn_hidden / tp)
+    tokens = tokens // (tp if sp else 1)
     if policy == "op":
         # Matmul outputs kept, element-wise ones recomputed: SiLU's output and the product of the routed
         # and shared experts' SwiGLU are not kept (not measured yet).

@@ -19,7 +19,7 @@ import math
 from dataclasses import replace
 
 from meshfit.layout.layout import Layout
-from meshfit.models.config import ModelConfig
+from meshfit.models.config import ModelConfig, moe_mlp_params
 from meshfit.planner.memory.shares import Share
 
 
@@ -68,11 +68,26 @@ def local_routed(model: ModelConfig, layout: Layout, share: Share) -> float:
     return moe_blocks * routed_params(model) / layout.ep
 
 
+def _whole_on_tp_ranks(model: ModelConfig, layout: Layout, share: Share) -> Share:
+    """Under tensor parallelism the MoE MLP (router, E/ep routed and the shared experts) is whole on every
+    tp rank (parallel/moe_parts.py): the share, built with every block weight split tp ways, gets back the
+    (1 − 1/tp) it took from them."""
+    if layout.tp == 1 or not model.moe:
+        return share
+    moe_mlp = moe_mlp_params(local_experts_model(model, layout.ep)) * (1 - 1 / layout.tp)
+    moe_blocks = model.moe_layers * share.layers / model.n_layers
+    per_block = moe_mlp * model.moe_layers / model.n_layers  # the mean block's
+    return replace(share, params=share.params + moe_blocks * moe_mlp, block_params=share.block_params + per_block,
+                   unit_params=share.unit_params + per_block if share.unit_params >= share.block_params
+                   else share.unit_params)
+
+
 def ep_share(model: ModelConfig, layout: Layout, share: Share) -> Share:
     """``share`` (built from ``local_experts_model``) with ``params`` the count whose ``1 / (dp_shard·cp)``
     is what this rank keeps of weights, gradients and optimizer states: the dense part's share plus its
     chunk of the local experts (``rows_per_rank``), and ``unit_params`` the largest FSDP unit: a block's
     experts are a unit of their own, gathered as ``gathered_experts`` says."""
+    share = _whole_on_tp_ranks(model, layout, share)
     if layout.ep == 1 or not model.moe:
         return share
     local = model.moe_experts // layout.ep
