@@ -145,7 +145,7 @@ REFUSED = [
     ("gpt2", {"attn_pdrop": 0.1}, "attn_pdrop=0.1 is not modelled by meshfit: meshfit's GPT block drops out with "
      "one probability everywhere"),
     ("qwen2", {"model_type": "gemma"}, "model_type 'gemma' is not supported; supported: llama, mistral, qwen2, "
-     "qwen3, mixtral, qwen3_moe, gpt2"),
+     "qwen3, mixtral, qwen3_moe, olmoe, gpt2"),
 ]
 
 

@@ -1,5 +1,5 @@
 """Model shapes from a Hugging Face ``config.json``: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, GPT-2, and the
-Mixture-of-Experts Mixtral and Qwen3-MoE.
+Mixture-of-Experts Mixtral, Qwen3-MoE and OLMoE.
 
 The folder is the model: every field of the file that changes the function its weights compute is read
 into the ModelConfig (head_dim, Qwen2's q/k/v biases, Qwen3's q/k norms, RoPE's theta and scaling,
@@ -18,7 +18,7 @@ from meshfit.models.config import ModelConfig
 from meshfit.util.jsonfile import read_json_object
 
 # model_type values whose block is meshfit's Llama block (RMSNorm, RoPE, SwiGLU, GQA) with their variants.
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
 GPT_TYPES = ("gpt2",)
 CONFIG_FILE = "config.json"
 
@@ -32,6 +32,8 @@ _FIXED: dict[str, dict[str, tuple[Any, ...]]] = {
     "mixtral": {"router_jitter_noise": (None, 0, 0.0)},
     "qwen3_moe": {"attention_bias": (None, False), "decoder_sparse_step": (None, 1),
                   "shared_expert_intermediate_size": (None, 0)},
+    # OLMoE clamps q, k and v to ±clip_qkv where it is set (OLMo 1 did; OLMoE-1B-7B does not).
+    "olmoe": {"attention_bias": (None, False), "clip_qkv": (None,)},
     "gpt2": {"activation_function": (None, "gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (None, True),
              "scale_attn_by_inverse_layer_idx": (None, False), "add_cross_attention": (None, False)},
 }
@@ -132,6 +134,10 @@ def _moe(f: _Fields, kind: str) -> dict[str, Any]:
         return {"moe_experts": f.get("num_local_experts", 8), "moe_top_k": f.get("num_experts_per_tok", 2),
                 "moe_ffn_hidden": f.need("intermediate_size"),
                 "moe_aux_loss_coeff": float(f.get("router_aux_loss_coef", 0.001))}
+    if kind == "olmoe":  # every layer sparse, experts intermediate_size wide; softmax top-k not renormalised
+        return {"moe_experts": f.get("num_experts", 64), "moe_top_k": f.get("num_experts_per_tok", 8),
+                "moe_norm_topk": bool(f.get("norm_topk_prob", False)),
+                "moe_aux_loss_coeff": float(f.get("router_aux_loss_coef", 0.01))}
     if kind != "qwen3_moe":
         return {}
     # mlp_only_layers keep the dense MLP (intermediate_size): meshfit models the first n layers dense.
@@ -145,16 +151,28 @@ def _moe(f: _Fields, kind: str) -> dict[str, Any]:
             "moe_aux_loss_coeff": float(f.get("router_aux_loss_coef", 0.001))}
 
 
+def _olmoe_heads(f: _Fields, dim: int, heads: int) -> None:
+    # OLMoE's q and k norms are sized from hidden_size / heads whatever head_dim says: another head_dim
+    # gives transformers' model mismatched shapes.
+    head_dim = f.cfg.get("head_dim")
+    if dim % heads or head_dim not in (None, dim // heads):
+        raise f.refuse("head_dim" if head_dim is not None else "hidden_size", head_dim or dim,
+                       f"OLMoE's heads are hidden_size / num_attention_heads wide (num_attention_heads={heads})")
+
+
 def _llama(f: _Fields, kind: str) -> ModelConfig:
     f.check_fixed({**_LLAMA_FIXED, **_FIXED[kind]})
     dim, heads, layers = f.need("hidden_size"), f.need("num_attention_heads"), f.need("num_hidden_layers")
-    kv_heads = f.get("num_key_value_heads", heads) if kind == "llama" else f.need("num_key_value_heads")
+    if kind == "olmoe":
+        _olmoe_heads(f, dim, heads)
+    kv_heads = f.get("num_key_value_heads", heads) if kind in ("llama", "olmoe") else f.need("num_key_value_heads")
     return ModelConfig(
         family="llama", dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
         vocab_size=f.need("vocab_size"), ffn_hidden=f.need("intermediate_size"),
         max_seq_len=f.need("max_position_embeddings"), tie_embeddings=bool(f.get("tie_word_embeddings", False)),
         norm_eps=float(f.get("rms_norm_eps", 1e-6)), head_dim=_head_dim(f, kind, dim, heads),
-        qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"), sliding_window=_window(f, kind, layers),
+        qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_scope="projection" if kind == "olmoe" else "head", sliding_window=_window(f, kind, layers),
         **_rope(f), **_moe(f, kind),
     )
 
@@ -189,7 +207,8 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
         model = _gpt2(fields)
     else:
         raise ValueError(f"{path}: model_type {kind!r} is not supported; supported: "
-                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama-, Mistral-, Mixtral-, Qwen- and GPT-2-style decoders)")
+                         f"{', '.join(LLAMA_TYPES + GPT_TYPES)} (Llama-, Mistral-, Mixtral-, Qwen-, OLMoE- and "
+                         "GPT-2-style decoders)")
     try:
         model.validate()
     except (TypeError, ValueError) as exc:

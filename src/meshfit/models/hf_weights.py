@@ -1,5 +1,5 @@
-"""meshfit weights ⇄ Hugging Face weights (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GPT-2 causal
-LMs) and their config.json.
+"""meshfit weights ⇄ Hugging Face weights (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE and GPT-2
+causal LMs) and their config.json.
 
 A Mixture-of-Experts block's routed experts are three 3-D tensors here (``experts.w1`` [E, F, D], ...) and
 one ``nn.Linear`` weight per expert there (``...experts.{j}.w1.weight`` [F, D]): expert j is slice j.
@@ -45,12 +45,14 @@ _LLAMA = [  # (meshfit, HF) with {i} for the layer index
 # Mixture-of-Experts tensors of each Hugging Face family, {j}: the expert. Routers: one tensor each.
 _ROUTERS = {"mixtral": [("layers.{i}.feed_forward.router.gate.weight", "model.layers.{i}.block_sparse_moe.gate.weight")],
             "qwen3_moe": [("layers.{i}.feed_forward.router.gate.weight", "model.layers.{i}.mlp.gate.weight")]}
+_ROUTERS["olmoe"] = _ROUTERS["qwen3_moe"]  # OLMoE's files name the MoE tensors as Qwen3-MoE's do
 _EXPERTS = {
     "mixtral": [(f"layers.{{i}}.feed_forward.experts.{w}", f"model.layers.{{i}}.block_sparse_moe.experts.{{j}}.{w}.weight")
                 for w in ("w1", "w2", "w3")],
     "qwen3_moe": [(f"layers.{{i}}.feed_forward.experts.{w}", f"model.layers.{{i}}.mlp.experts.{{j}}.{hf}.weight")
                   for w, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))],
 }
+_EXPERTS["olmoe"] = _EXPERTS["qwen3_moe"]
 _EXPERT_BIAS = re.compile(r"^layers\.\d+\.feed_forward\.router\.expert_bias$")
 _GPT = [  # renamed as they are; Conv1D weights (marked T) are transposed
     ("tok_embeddings.weight", "transformer.wte.weight", False),
@@ -189,7 +191,7 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> 
 # Hugging Face architecture of each model_type meshfit writes.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
@@ -202,6 +204,10 @@ def hf_model_type(cfg: ModelConfig) -> str:
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("model.qkv_bias and model.qk_norm together: no Hugging Face architecture meshfit writes "
                          "has both (Qwen2 has the biases, Qwen3 the norms)")
+    if cfg.qk_norm and cfg.qk_norm_scope != "head":
+        raise ValueError(f"model.qk_norm_scope={cfg.qk_norm_scope!r} on a dense model: no Hugging Face architecture "
+                         "meshfit writes has it (Qwen3 normalises each head; OLMoE, whose norms span the "
+                         "projections, has experts)")
     if cfg.qk_norm:
         return "qwen3"
     if cfg.qkv_bias:
@@ -210,20 +216,23 @@ def hf_model_type(cfg: ModelConfig) -> str:
 
 
 def _moe_model_type(cfg: ModelConfig) -> str:
-    """Mixtral (no q/k norms, every layer sparse, top-k renormalised) or Qwen3-MoE (q/k norms per head, the
-    first layers may be dense); ValueError naming what neither computes."""
+    """Mixtral (no q/k norms, every layer sparse, top-k renormalised), Qwen3-MoE (q/k norms per head, the
+    first layers may be dense) or OLMoE (q/k norms over the whole projections, every layer sparse, heads
+    dim / n_heads wide); ValueError naming what none computes."""
     unlike = [(name, value) for name, value, plain in (
         ("moe_shared_experts", cfg.moe_shared_experts, 0), ("moe_score", cfg.moe_score, "softmax"),
-        ("moe_route_scale", cfg.moe_route_scale, 1.0), ("qkv_bias", cfg.qkv_bias, False),
-        ("qk_norm_scope", cfg.qk_norm_scope, "head")) if value != plain]
-    kind = "qwen3_moe" if cfg.qk_norm else "mixtral"
+        ("moe_route_scale", cfg.moe_route_scale, 1.0), ("qkv_bias", cfg.qkv_bias, False)) if value != plain]
+    kind = ("olmoe" if cfg.qk_norm_scope == "projection" else "qwen3_moe") if cfg.qk_norm else "mixtral"
     if kind == "mixtral":
         unlike += [(n, v) for n, v, plain in (("moe_dense_layers", cfg.moe_dense_layers, 0),
                                               ("moe_norm_topk", cfg.moe_norm_topk, True)) if v != plain]
+    if kind == "olmoe":
+        unlike += [(n, v) for n, v, plain in (("moe_dense_layers", cfg.moe_dense_layers, 0),
+                                              ("head_dim", cfg.head_dim, None)) if v != plain]
     if unlike:
         name, value = unlike[0]
         raise ValueError(f"model.{name}={value!r}: no Hugging Face Mixture-of-Experts architecture meshfit writes "
-                         "(Mixtral, Qwen3-MoE) computes it")
+                         "(Mixtral, Qwen3-MoE, OLMoE) computes it")
     return kind
 
 
@@ -245,7 +254,7 @@ def _llama_family_config(cfg: ModelConfig, kind: str) -> dict[str, Any]:
            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
            "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "hidden_act": "silu",
            "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0}
-    if kind in ("llama", "qwen3", "qwen3_moe"):
+    if kind in ("llama", "qwen3", "qwen3_moe", "olmoe"):
         out.update(attention_bias=False, **({"mlp_bias": False} if kind == "llama" else {}))
     if kind in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
@@ -257,6 +266,10 @@ def _llama_family_config(cfg: ModelConfig, kind: str) -> dict[str, Any]:
         out.update(num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
                    moe_intermediate_size=cfg.moe_hidden, norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=1,
                    mlp_only_layers=list(range(cfg.moe_dense_layers)), router_aux_loss_coef=cfg.moe_aux_loss_coeff)
+    if kind == "olmoe":  # intermediate_size is an expert's width (OLMoE has no dense MLP)
+        out.update(num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k, intermediate_size=cfg.moe_hidden,
+                   norm_topk_prob=cfg.moe_norm_topk, router_aux_loss_coef=cfg.moe_aux_loss_coeff, clip_qkv=None)
+        del out["head_dim"]  # OlmoeConfig has no such field; its heads are hidden_size / heads wide
     if kind in ("qwen2", "qwen3", "qwen3_moe"):
         # A window, where set, on every layer (max_window_layers 0): the strictest reading of it.
         windowed = cfg.sliding_window is not None
