@@ -30,6 +30,7 @@ def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 positive_float = _number(float, "a positive number", lambda v: 0 < v < math.inf)
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
+at_least_one = _number(float, "a number ≥ 1", lambda v: 1 <= v < math.inf)
 
 
 def memory_size(text: str) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshfit.commands.cluster_flags import DEFAULT_GPU, PlanInputError
-from meshfit.commands.flags import memory_size, positive_float, positive_int, probability
+from meshfit.commands.flags import at_least_one, memory_size, positive_float, positive_int, probability
 from meshfit.hardware.catalog import GPUS, Cluster, device_noun, is_cpu
 from meshfit.layout.layout import OPTIMIZERS, PRECISIONS, Layout, Workload, parse_assignments, parse_layout
 from meshfit.layout.recompute import AC_MODES
@@ -63,6 +63,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, single_layout: bool) 
                         ("; not for verify, whose dry run runs the blocks eagerly" if single_layout else ""))
     g.add_argument("--document-mask", action="store_true",
                    help="packed documents kept apart (data.document_mask): counts each micro-batch's attention mask")
+    if not single_layout:  # verify's dry run routes balanced: it measures factor 1 only
+        g.add_argument("--moe-imbalance", type=at_least_one, default=1.0, metavar="F",
+                       help="Mixture-of-Experts models: the most-loaded rank's routed tokens over the balanced "
+                            "share, scaling its routed-token buffers, expert GEMMs and all-to-alls under "
+                            "expert parallelism (default 1: balanced routing, as the dry run routes and "
+                            "published benchmarks force it)")
     g.add_argument("--activation-checkpointing", choices=AC_MODES, default=None,
                    help="fix the checkpointing mode (default: evaluate all)")
     g = parser.add_argument_group("output")
@@ -135,7 +141,8 @@ def resolve_workload(args: argparse.Namespace, model, world: int) -> Workload:
         batch = args.global_batch_tokens // seq
     workload = Workload(seq_len=seq, global_batch=batch or 4 * world, precision=args.precision,
                         optimizer=args.optimizer, attention=args.attention, dropout=args.dropout,
-                        compiled=args.compile, document_mask=args.document_mask)
+                        compiled=args.compile, document_mask=args.document_mask,
+                        moe_imbalance=getattr(args, "moe_imbalance", 1.0))
     workload.check()
     return workload
 

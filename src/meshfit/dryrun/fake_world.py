@@ -83,6 +83,19 @@ def stand_in_for_peers(run: Any) -> None:
             _fake_ddp_reduction(module)
     if run.pipe is not None:
         _stand_in_for_pipeline_peers(run)
+    _route_balanced(run.model)
+
+
+def _route_balanced(model: Any) -> None:
+    """Mixture-of-Experts routers route round-robin (models/moe.py's ``Router.balanced``): fake tensors hold
+    no scores to choose by, and expert parallelism's split sizes must be known on the host. Every expert
+    then gets the same share of the tokens, as published MoE benchmarks force it (the planner's default,
+    ``--moe-imbalance 1``)."""
+    from meshfit.models.moe import Router
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.balanced = True
 
 
 @contextlib.contextmanager

@@ -16,6 +16,11 @@ them: an 8B model at 64 ranks needs about 0.5 GB of RSS. Loss values are fake an
 metrics record of a real step (which gathers every rank's peak) is not produced. Where torch would read
 data from peers or from tensors, `meshfit.dryrun.fake_world` answers for them.
 
+Mixture-of-Experts routers route balanced in a dry run (fake_world.py): fake tensors hold no scores, and
+expert parallelism's all-to-all dispatcher then takes its split sizes from the shapes (models/moe.py's
+`balanced_counts`) rather than from a counts tensor; the fake group's `all_to_all_single` returns buffers of
+the split sizes asked for, so the tracker sees the real run's received copies (balanced routing).
+
 With offload the dry run counts as a GPU rank would: the host-resident shards are off the tally (a real
 CPU rank counts them: there the host is its own memory; its record reports them as `offloaded`). So does
 context parallelism's attention of a query chunk over a longer key prefix: a GPU's fused kernel runs it

@@ -212,6 +212,9 @@ class Workload:
     dropout: float = 0.0
     compiled: bool = False
     document_mask: bool = False
+    # Mixture-of-Experts: the most-loaded rank's routed copies over the balanced share (1.0: balanced
+    # routing, as published MoE benchmarks force it and as the dry run routes).
+    moe_imbalance: float = 1.0
 
     def check(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -221,6 +224,10 @@ class Workload:
         for name, valid in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("attention", ATTENTIONS)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+        if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
+                or not self.moe_imbalance >= 1.0:
+            raise ValueError(f"moe_imbalance={self.moe_imbalance!r} must be a number ≥ 1 (1: balanced routing; "
+                             "F: the most-loaded rank's routed tokens are F times the balanced share)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
 

@@ -140,14 +140,26 @@ class Routed:
     dropped: torch.Tensor  # () copies over capacity
     source: torch.Tensor  # [T·k] the token each sorted row came from
     gates: torch.Tensor  # [T·k] its gate value (0 where dropped), fp32
+    sizes: list[int] | None = None  # counts known on the host without reading a tensor (balanced routing)
     back: object = None  # what a dispatcher that moved the tokens needs to bring the outputs back
+
+
+def balanced_counts(tokens: int, top_k: int, experts: int, capacity_factor: float | None) -> list[int]:
+    """Kept copies per expert under ``Router.balanced`` (copy i of the micro-batch goes to expert i mod E),
+    computed from shapes alone: what a dry run on fake tensors cannot read from the counts tensor."""
+    copies = tokens * top_k
+    demand = [copies // experts + (1 if e < copies % experts else 0) for e in range(experts)]
+    if capacity_factor is None:
+        return demand
+    capacity = math.ceil(capacity_factor * tokens * top_k / experts)
+    return [min(d, capacity) for d in demand]
 
 
 class LocalDispatcher:
     """Dispatch to experts that are all on this rank."""
 
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, experts: int,
-                 capacity_factor: float | None) -> Routed:
+                 capacity_factor: float | None, balanced: bool = False) -> Routed:
         tokens, k = chosen.shape
         flat = chosen.reshape(-1)
         one_hot = F.one_hot(flat, experts)  # counts without bincount: fake tensors have no values to count
@@ -162,7 +174,8 @@ class LocalDispatcher:
         counts = torch.zeros_like(demand).scatter_add_(0, flat, keep.to(demand.dtype))
         source = order // k
         kept_gates = torch.where(keep, gates.reshape(-1), 0.0)[order]
-        return Routed(x[source], counts, demand, (~keep).sum(), source, kept_gates)
+        sizes = balanced_counts(tokens, k, experts, capacity_factor) if balanced else None
+        return Routed(x[source], counts, demand, (~keep).sum(), source, kept_gates, sizes)
 
     def combine(self, out: torch.Tensor, routed: Routed, tokens: int) -> torch.Tensor:
         """Each token's gate-weighted sum of its experts' outputs, [T, D] in the output's dtype."""
@@ -242,7 +255,8 @@ class MoE(nn.Module):
     def _routed(self, flat: torch.Tensor) -> torch.Tensor:
         """The routed experts' gate-weighted outputs for the tokens `flat` [T, D]; counts them for the step."""
         scores, chosen, gates = self.router(flat)
-        routed = self.dispatcher.dispatch(flat, chosen, gates, self.router.experts, self.capacity_factor)
+        routed = self.dispatcher.dispatch(flat, chosen, gates, self.router.experts, self.capacity_factor,
+                                          balanced=self.router.balanced)
         out = self.dispatcher.combine(self.experts(routed.tokens, routed.counts), routed, flat.shape[0])
         if self.training and torch.is_grad_enabled():
             # Computed in a recomputed forward too: activation checkpointing wants the same saved tensors.

@@ -41,23 +41,35 @@ class AllToAllDispatcher(LocalDispatcher):
         self.ranks = dist.get_world_size(group)
 
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, experts: int,
-                 capacity_factor: float | None) -> Routed:
-        routed = super().dispatch(x, chosen, gates, experts, capacity_factor)
+                 capacity_factor: float | None, balanced: bool = False) -> Routed:
+        routed = super().dispatch(x, chosen, gates, experts, capacity_factor, balanced)
         local = experts // self.ranks
-        # Counts first: what each rank sends to each of my experts, [ranks, local experts].
-        received = torch.empty_like(routed.counts)
-        dist.all_to_all_single(received, routed.counts, group=self.group)
-        received = received.view(self.ranks, local)
-        send = routed.counts.view(self.ranks, local).sum(1).tolist()  # a host sync: split sizes
-        recv = received.sum(1).tolist()
+        sent, got = self._split_sizes(routed, local)  # per expert: what I send, what each rank sends me
+        send = [sum(sent[r * local:(r + 1) * local]) for r in range(self.ranks)]
+        recv = [sum(got[r * local:(r + 1) * local]) for r in range(self.ranks)]
         kept = sum(send)
         rows = _exchange(routed.tokens[:kept], recv, send, self.group)
         # Rank-major (each sender's block sorted by my experts) -> expert-major for the expert kernel.
-        expert_of = torch.arange(local, device=x.device).repeat(self.ranks).repeat_interleave(received.reshape(-1))
+        received = torch.tensor(got, device=x.device).view(self.ranks, local)
+        expert_of = torch.arange(local, device=x.device).repeat(self.ranks).repeat_interleave(
+            received.reshape(-1), output_size=sum(recv))
         order = expert_of.argsort(stable=True)
         routed.back = (order, send, recv, routed.tokens.shape[0])
         routed.tokens, routed.counts = rows[order], received.sum(0)
         return routed
+
+    def _split_sizes(self, routed: Routed, local: int) -> tuple[list[int], list[int]]:
+        """(copies I send to each expert, copies each ep rank sends to each of my experts, rank-major).
+
+        Known on the host under balanced routing: every rank routes its equal share of tokens the same way,
+        so each sends me what I would send myself (a dry run's fake tensors have no counts to read).
+        Otherwise the counts are exchanged with one all-to-all and read back (a host sync)."""
+        if routed.sizes is not None:
+            me = dist.get_rank(self.group)
+            return routed.sizes, routed.sizes[me * local:(me + 1) * local] * self.ranks
+        received = torch.empty_like(routed.counts)
+        dist.all_to_all_single(received, routed.counts, group=self.group)
+        return routed.counts.tolist(), received.tolist()
 
     def combine(self, out: torch.Tensor, routed: Routed, tokens: int) -> torch.Tensor:
         order, send, recv, sorted_rows = routed.back

@@ -8,6 +8,7 @@ from meshfit.hardware.catalog import device_noun, is_cpu
 from meshfit.layout.layout import Layout
 from meshfit.layout.precision import state_bytes
 from meshfit.models.config import num_params
+from meshfit.planner.explain_experts import expert_lines
 from meshfit.planner.explain_footprint import footprint_lines
 from meshfit.planner.memory.estimate import MemoryEstimate, estimate_memory, usable_bytes
 from meshfit.planner.search import Candidate, Plan
@@ -198,7 +199,8 @@ def _recommendation(plan: Plan, usable: float) -> list[str]:
     d = fmt_duration
     lines.append(f"  step {d(t.total_s)} = compute {d(t.compute_s)} (element-wise {d(t.elementwise_s)}, recompute "
                  f"{d(t.recompute_s)}) + TP "
-                 f"{d(t.tp_comm_s)} + CP {d(t.cp_comm_s)} + DP {d(t.dp_comm_s)} + PP {d(t.pp_comm_s)} + bubble "
+                 f"{d(t.tp_comm_s)} + CP {d(t.cp_comm_s)} + EP {d(t.ep_comm_s)} + DP {d(t.dp_comm_s)} + PP "
+                 f"{d(t.pp_comm_s)} + bubble "
                  f"{d(t.bubble_s)} + "
                  f"offload {d(t.offload_s)} + optimizer {d(t.optimizer_s)}; {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {t.mfu:.0%}")
@@ -258,7 +260,7 @@ def explain(plan: Plan) -> str:
     usable = usable_bytes(plan.cluster.gpu)
     return "\n".join(_states_section(plan, usable) + _technique_section(plan, usable)
                      + _activation_section(plan, usable) + _recommendation(plan, usable)
-                     + footprint_lines(plan, usable))
+                     + expert_lines(plan, usable) + footprint_lines(plan, usable))
 
 
 def _tp_cost(candidate: Candidate) -> str:

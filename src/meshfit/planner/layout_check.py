@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshfit.layout.layout import Layout, Workload
-from meshfit.layout.model_fit import moe_layout_error, pipeline_model_error, seq_len_error
+from meshfit.layout.model_fit import expert_parallel_error, moe_layout_error, pipeline_model_error, seq_len_error
 from meshfit.layout.rules import layout_error
 from meshfit.layout.schedules import least_microbatches
 from meshfit.models.config import ModelConfig
@@ -52,7 +52,8 @@ def _shape_error(model: ModelConfig, layout: Layout, workload: Workload) -> str 
     error = error or layout_error(dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, tp=layout.tp,
                                   pp=layout.pp, zero_stage=layout.zero_stage,
                                   offload=layout.offload, sp=layout.sp, loss_parallel=layout.loss_parallel,
-                                  schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp, ep=layout.ep,
+                                  schedule=layout.schedule, virtual_stages=layout.virtual_stages, cp=layout.cp,
+                                  ep=layout.ep,
                                   mixed_precision=workload.precision != "fp32",
                                   activation_checkpointing=layout.activation_checkpointing, config_names=True)
     seq = "train.seq_len" if layout.cp == 1 else "train.seq_len/cp"
@@ -60,6 +61,7 @@ def _shape_error(model: ModelConfig, layout: Layout, workload: Workload) -> str 
     error = error or (tp_degree_error(model, layout.tp, workload.seq_len // layout.cp, layout.sp, seq)
                       if layout.tp > 1 else None)
     return (error or moe_layout_error(model, layout.tp, layout.pp, layout.cp)
+            or expert_parallel_error(model, layout.ep, layout.shard, layout.offload)
             or pipeline_model_error(model, layout.pp, layout.virtual_stages))
 
 

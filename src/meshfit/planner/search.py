@@ -14,7 +14,7 @@ from typing import Any
 
 from meshfit.hardware.catalog import CPU, Cluster
 from meshfit.layout.layout import Layout, Workload
-from meshfit.layout.model_fit import moe_layout_error, pipeline_model_error
+from meshfit.layout.model_fit import expert_parallel_error, moe_layout_error, pipeline_model_error
 from meshfit.layout.recompute import AC_MODES
 from meshfit.layout.schedules import (
     SCHEDULES,
@@ -56,8 +56,8 @@ class Candidate:
                 "peak_phase": self.memory.phase,
                 "step_time_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
                 "time": {k: getattr(self.time, k) for k in ("compute_s", "recompute_s", "elementwise_s", "tp_comm_s",
-                                                            "cp_comm_s", "dp_comm_s", "pp_comm_s", "bubble_s",
-                                                            "offload_s", "optimizer_s")},
+                                                            "cp_comm_s", "ep_comm_s", "dp_comm_s", "pp_comm_s",
+                                                            "bubble_s", "offload_s", "optimizer_s")},
                 "why": self.why}
 
 
@@ -151,6 +151,14 @@ def _data_parallel(dp: int, cp: int = 1) -> Iterator[tuple[int, int, int]]:
         yield dp // shard, shard, 3
 
 
+def _ep_degrees(model: ModelConfig, shard: int, stage: int, offload: bool) -> list[int]:
+    """Expert-parallel degrees for ``shard`` = dp_shard × cp ranks: the divisors of ``shard`` that divide the
+    expert count (layout/model_fit.py's expert_parallel_error); 1 alone for dense models."""
+    if not model.moe or stage == 0:
+        return [1]
+    return [e for e in _divisors(shard) if expert_parallel_error(model, e, shard, offload) is None]
+
+
 def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, *,
                       activation_checkpointing: str | None = None, micro_batch: int | None = None
                       ) -> Iterator[Layout]:
@@ -193,8 +201,8 @@ def _layouts(model: ModelConfig, workload: Workload, dp: int, tp: int, cp: int, 
                 for ac in acs:
                     if split_backward_recompute_error(schedule, ac):
                         continue
-                    for sp in sps:
-                        yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=stage,
+                    for sp, ep in ((sp, ep) for sp in sps for ep in _ep_degrees(model, shard * cp, stage, offload)):
+                        yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=stage,
                                      offload=offload, activation_checkpointing=ac, sp=sp, loss_parallel=sp,
                                      schedule=schedule, virtual_stages=virtual, micro_batch=mb)
 

@@ -23,18 +23,22 @@ recompute the gathered keys and values (the gather is re-run in backward) rather
 ``benchmarks/planner/block_activations.py --cp`` measures blocks on fake tensors: the same bytes for both families,
 both kernels, t = 1 and 2 + SP, every policy.
 
-Mixture-of-Experts blocks (a first estimate, not yet measured): the MLP terms of a SwiGLU as wide as the
-top_k routed and the shared experts together (balanced routing), plus the dispatch tensors
-(``moe_dispatch_bytes``); every block is counted as a Mixture-of-Experts block, dense first layers included.
+Mixture-of-Experts models: the first moe_dense_layers blocks are dense blocks; the others keep the same
+attention terms and, in place of the dense MLP's, what planner/memory/moe_activations.py counts (router,
+routed copies, expert intermediates, index maps, the combine; measured with torch's tracker). Blocks are
+reported as their mean (``layers × mean`` is exact for the whole model).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshfit.layout.layout import Layout, Workload
 from meshfit.layout.recompute import rerun_blocks
-from meshfit.models.config import ModelConfig, moe_mlp_params
+from meshfit.models.config import MOE_DEFAULTS, ModelConfig, moe_mlp_params
 from meshfit.models.mask_kernel import mask_bytes, mask_kernel
 from meshfit.planner.memory.formulas import activation_bytes_per_layer
+from meshfit.planner.memory.moe_activations import moe_mlp_bytes_per_token, rank_imbalance
 
 MODES = ("fp32", "bf16")
 
@@ -66,14 +70,9 @@ def mlp_width(model: ModelConfig) -> int:
     return (model.moe_top_k + model.moe_shared_experts) * model.moe_hidden
 
 
-def moe_dispatch_bytes(model: ModelConfig, p: int) -> float:
-    """Per token, what a Mixture-of-Experts block keeps besides its experts' SwiGLU (a first estimate, not
-    yet measured against the tracker): the top_k sorted copies of the token (compute dtype) and their fp32
-    gate-weighted outputs, the fp32 router logits and scores, the int64 expert choices and sort order."""
-    if not model.moe:
-        return 0.0
-    k, experts = model.moe_top_k, model.moe_experts
-    return k * model.dim * (p + 4) + 2 * 4 * experts + 2 * 8 * k
+def dense_model(model: ModelConfig) -> ModelConfig:
+    """A Mixture-of-Experts model's dense blocks as a model of their own (the dense MLP of ffn_hidden)."""
+    return replace(model, **MOE_DEFAULTS) if model.moe else model
 
 
 def cp_keys_per_query(seq: int, cp: int) -> float:
@@ -91,11 +90,37 @@ def gathered_kv_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp
 
 def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1,
                            sp: bool = False, attention: str = "flash", dropout: float = 0.0,
-                           policy: str = "none", cp: int = 1) -> float:
+                           policy: str = "none", cp: int = 1, ep: int = 1, imbalance: float = 1.0) -> float:
     """Bytes one rank keeps for the backward of one block and one micro-batch of ``batch`` ``seq``-long
     sequences (the whole sequence: under context parallelism ``cp`` the rank holds seq / cp of it), under
     recompute ``policy`` "none", "op" or "attention" (a block checkpointed whole: see
-    :func:`checkpointed_block_bytes`)."""
+    :func:`checkpointed_block_bytes`). A Mixture-of-Experts model's blocks differ: their mean, under expert
+    parallelism ``ep`` with the most-loaded rank's routed-token factor ``imbalance``."""
+    kw = dict(mode=mode, seq=seq, batch=batch, tp=tp, sp=sp, attention=attention, dropout=dropout, policy=policy,
+              cp=cp)
+    if not model.moe:
+        return _block_bytes(model, **kw)
+    dense = _block_bytes(dense_model(model), **kw)
+    p = value_bytes(mode)
+    tokens = seq // cp * batch
+    # The dense MLP's terms out (its input and SwiGLU's four intermediates), the MoE MLP's in. The MoE block
+    # is whole on every tensor-parallel rank, which routes its sequence slice under SP, else every token.
+    mlp = tokens * p * (model.dim / (tp if sp else 1) + 4 * model.ffn_hidden / tp)
+    tokens = tokens // (tp if sp else 1)
+    if policy == "op":
+        # Matmul outputs kept, element-wise ones recomputed: SiLU's output and the product of the routed
+        # and shared experts' SwiGLU are not kept (not measured yet).
+        width = (model.moe_top_k * rank_imbalance(model, ep, imbalance) + model.moe_shared_experts) * model.moe_hidden
+        moe = tokens * (moe_mlp_bytes_per_token(model, p, ep, imbalance) - 2 * p * width)
+        mlp = tokens * _op_mlp_per_token(dense_model(model), p, tp)
+    else:
+        moe = tokens * moe_mlp_bytes_per_token(model, p, ep, imbalance)
+    dense_blocks = model.moe_dense_layers
+    return (dense_blocks * dense + model.moe_layers * (dense - mlp + moe)) / model.n_layers
+
+
+def _block_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int, sp: bool, attention: str,
+                 dropout: float, policy: str, cp: int) -> float:
     p = value_bytes(mode)
     local = seq // cp
     tokens = local * batch
@@ -109,7 +134,6 @@ def block_activation_bytes(model: ModelConfig, *, mode: str, seq: int, batch: in
         recompute="selective" if policy == "attention" else "none", dropout=gpt and dropout > 0,
         attention=attention, family=model.family, ffn=mlp_width(model) / model.dim,
         kv=model.n_kv_heads / model.n_heads, keys=keys, q=model.q_width / model.dim, qk_norm=model.qk_norm)
-    total += tokens * moe_dispatch_bytes(model, p)
     if gpt:
         total += tokens * 2 * 2 * p / seq_split  # two LayerNorms' mean and reciprocal deviation
     if policy == "none" and attention == "eager":
@@ -134,12 +158,17 @@ def _op_kept_per_token(model: ModelConfig, p: int, keys: float, tp: int, sp: boo
         kept += p * heads * keys / tp + p * q / tp  # QKᵀ scores (a row of keys each) and probabilities × V
     else:
         kept += p * q / tp + 4 * heads / tp  # the fused kernel's output and log-sum-exp
-    up = 2 if model.family == "llama" else 1  # SwiGLU's gate and up projections
-    kept += p * up * mlp_width(model) / tp + moe_dispatch_bytes(model, p)
+    kept += _op_mlp_per_token(model, p, tp)
     # Output projection and MLP down projection: their matmul outputs (full-size partial sums under
     # TP), and under TP the reduced outputs as well (sequence-split under SP).
     reduced = 0 if tp == 1 else p * h / (tp if sp else 1)
     return kept + 2 * (p * h + reduced)
+
+
+def _op_mlp_per_token(model: ModelConfig, p: int, tp: int) -> float:
+    """The dense MLP's matmul outputs the "op" policy keeps: SwiGLU's gate and up projections (GPT: fc1)."""
+    up = 2 if model.family == "llama" else 1
+    return p * up * model.ffn_hidden / tp
 
 
 def checkpointed_block_bytes(model: ModelConfig, *, mode: str, seq: int, batch: int, tp: int = 1,
@@ -190,10 +219,11 @@ def layout_activations(model: ModelConfig, layout: Layout, workload: Workload, l
     """
     kw = dict(mode=mode, seq=workload.seq_len, batch=layout.micro_batch, tp=layout.tp, sp=layout.sp, cp=layout.cp)
     ac = layout.activation_checkpointing
-    full = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, **kw)
+    moe = dict(ep=layout.ep, imbalance=workload.moe_imbalance)
+    full = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, **kw, **moe)
     if ac in ("none", "op", "attention"):
         kept = block_activation_bytes(model, attention=workload.attention, dropout=workload.dropout, policy=ac,
-                                      **kw)
+                                      **kw, **moe)
         return layers * kept, full - kept
     kept = checkpointed_block_bytes(model, **kw)
     # "selective" checkpoints every parallel.ac_every-th block of each stage (its default assumed).

@@ -25,6 +25,7 @@ from meshfit.layout.layout import Layout, Workload
 from meshfit.layout.precision import STORAGE_BYTES, state_bytes
 from meshfit.models.config import ModelConfig, pad_vocab_for_tp
 from meshfit.planner.memory.activations import document_mask_bytes, embedding_bytes, head_bytes, layout_activations
+from meshfit.planner.memory.experts import ep_share, local_experts_model
 from meshfit.planner.memory.formulas import pipeline_in_flight_microbatches
 from meshfit.planner.memory.phase_terms import (
     RootReduce,
@@ -189,7 +190,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
     head_saved = head_bytes(model, layout, mode, tokens, held, transient=False) if share.last else 0.0
     # Stage 1 and stage-0 replicas accumulate full, unreduced gradients until the last micro-batch (in the
     # reduce dtype).
-    accumulated = n * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
+    unsharded = n - share.expert_surplus  # the dense part and the rank's E/ep experts
+    accumulated = unsharded * _reduce_bytes(workload, layout, c_bytes) if (fsdp and stage <= 1 and micro > 1) else 0.0
     # ZeRO-2 under mixed precision: earlier micro-batches' gradient shards wait in bf16 (GradientStash) until
     # the last micro-batch's backward has made its fp32 ones, and are added into them after it.
     g_store = STORAGE_BYTES[workload.precision]
@@ -242,7 +244,8 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
         # At the loss stage 3 holds the root and at most one unit (the last one is re-sharded after its
         # forward; backward gathers it again).
         gathered_loss = (share.root_params + (share.layers * share.block_params if keep else unit)) * c_bytes
-        unit_grads = unit * c_bytes
+        grad_unit = share.grad_unit_params or unit  # a padded all-gather's unit has unpadded gradients
+        unit_grads = grad_unit * c_bytes
         r_bytes = _reduce_bytes(workload, layout, c_bytes)
         whole_rerun = layout.activation_checkpointing == "op" or share.rerun(layout.activation_checkpointing) > 0
         if unit < share.block_params and not keep and whole_rerun:
@@ -256,7 +259,7 @@ def _phases(model: ModelConfig, layout: Layout, workload: Workload, share: Share
             # of BACKWARD_TEMPS h-wide values, no gradients yet) or its 16-bit gradients exist next to their
             # fp32 copy for the reduce-scatter; the larger of the two is the peak. Reduced in the compute
             # dtype there is no copy.
-            unit_grads = unit * (r_bytes + c_bytes if r_bytes != c_bytes else c_bytes)
+            unit_grads = grad_unit * (r_bytes + c_bytes if r_bytes != c_bytes else c_bytes)
             working = block_temps
         if accumulated:
             # New gradients are added into the accumulated ones: compute-dtype temporaries, the largest
@@ -386,7 +389,9 @@ def estimate_memory(model: ModelConfig, layout: Layout, workload: Workload, back
     """Peak tensor memory of the most-loaded rank of ``layout`` (see the module notes for the phases);
     ``backend`` "gloo" for CPU ranks (reduce-scatters through received chunks, some in the background)."""
     model = pad_vocab_for_tp(model, layout.tp)  # as training builds it
-    shares = layout_shares(model, layout, workload)
+    # Expert parallelism: blocks of E/ep routed experts, whose states are kept as planner/memory/experts.py says.
+    shares = tuple(ep_share(model, layout, share)
+                   for share in layout_shares(local_experts_model(model, layout.ep), layout, workload))
     # In-flight micro-batches fall with the pipeline rank, so the most-loaded rank is the first, the last
     # (head, logits) or the one with the most blocks; the others need not be evaluated.
     ranks = {0, len(shares) - 1, max(range(len(shares)), key=lambda r: shares[r].layers)}

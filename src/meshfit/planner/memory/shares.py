@@ -28,6 +28,11 @@ class Share:
     first: bool  # holds the embedding
     last: bool  # holds the final norm, the head and the loss
     stage_layers: tuple[int, ...]  # blocks of each of its stages
+    # Counted in `params` beyond what the rank holds unsharded: expert parallelism's shards of E/ep experts
+    # split over fewer ranks than dp_shard × cp (planner/memory/experts.py). `params - expert_surplus`
+    # is what the rank computes with.
+    expert_surplus: float = 0.0
+    grad_unit_params: float | None = None  # the largest unit's unsharded gradients, when not unit_params
 
     def __post_init__(self) -> None:
         if len(self.stage_layers) != self.stages or sum(self.stage_layers) != self.layers:

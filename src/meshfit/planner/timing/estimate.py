@@ -23,7 +23,7 @@ literature it cites and the way meshfit's torch building blocks communicate:
   (it is fused into the backward's kernels). Matmul, attention and communication terms are unchanged, and
   so is memory (the planner assumes a compiled block keeps what an eager one keeps).
 * Communication (collectives as rings, tensor, context and data parallelism, placement on the mesh):
-  planner/timing/comms.py.
+  planner/timing/comms.py; expert parallelism's all-to-alls and expert GEMMs: planner/timing/experts.py.
 * Pipeline bubble (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM"): (p−1)/m of the ideal time for gpipe and 1f1b, (p−1)/(m·v) interleaved.
 
@@ -54,6 +54,7 @@ from meshfit.models.config import pad_vocab_for_tp
 from meshfit.models.traffic import Traffic, elementwise_traffic
 from meshfit.planner.memory.activations import gathered_kv_bytes
 from meshfit.planner.timing.comms import collective_s, cp_comm, dp_comm, exposed, ring, tp_comm
+from meshfit.planner.timing.experts import ep_comm, fsdp_saved_params
 from meshfit.planner.timing.kernels import kernel_times
 from meshfit.planner.timing.op_count import rank_ops
 
@@ -118,6 +119,7 @@ class StepTime:
     tokens_per_s: float  # global tokens per second (workload.tokens / total_s)
     mfu: float  # model FLOPs utilisation: tokens_per_s * model_flops_per_token / (world_size * peak)
     operators_s: float = 0.0  # part of compute_s in the per-operator cost (measured profiles only)
+    ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, not overlapped (planner/timing/experts.py)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -299,8 +301,8 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         ew = (ew[0] * COMPILED_ELEMENTWISE, ew[1] * COMPILED_ELEMENTWISE, ew[2], ew[3])
     bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
     mb_tokens = layout.micro_batch * s // layout.cp
-    kernels = (kernel_times(model, gpu, precision, workload.attention, mb_tokens, s, tp, layout.cp, bandwidth)
-               if per_kernel else None)
+    kernels = (kernel_times(model, gpu, precision, workload.attention, mb_tokens, s, tp, layout.cp, bandwidth,
+                            layout.ep, workload.moe_imbalance) if per_kernel else None)
     # Stages split by FLOPs, as the pipeline splits them; the most loaded rank by time per token, element-wise
     # work included (a large vocabulary's loss can outweigh several blocks).
     block_t, head_t = (3 * layer / tp / rate, 3 * head / tp / rate) if kernels is None else (kernels.block,
@@ -357,9 +359,14 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     kv_bytes = gathered_kv_bytes(model, mode="fp32" if cbytes == 4 else "bf16", seq=s, batch=layout.micro_batch,
                                  tp=tp)
     cp_comm_s = m * cp_comm(layout, cluster, kv_bytes, blocks, regather)
+    moe_blocks = blocks * model.moe_layers / model.n_layers
+    ep_comm_s = m * ep_comm(model, layout, cluster, mb_tokens, cbytes, moe_blocks, rerun * moe_blocks,
+                            workload.moe_imbalance)
     rank_params = n_params / (tp * pp)
-    # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies.
-    dp_comm_s, gathers, reductions = dp_comm(layout, cluster, rank_params, blocks, m, compute_s, recompute_s,
+    # Also with one data-parallel rank: FSDP (stages 2/3) still gathers and, with offload, copies; a rank's
+    # E/ep experts over their edp ranks (planner/timing/experts.py).
+    moved = rank_params - fsdp_saved_params(model, layout) / (tp * pp)
+    dp_comm_s, gathers, reductions = dp_comm(layout, cluster, moved, blocks, m, compute_s, recompute_s,
                                              cbytes, sbytes, dp_overlap, of_comm)
 
     bubble_s = pp_comm_s = 0.0
@@ -387,9 +394,9 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         bandwidth = prof.elementwise_bytes_per_s if prof is not None else gpu.hbm_bytes_per_s * HBM_EFFICIENCY
         optimizer_s = step_bytes / bandwidth
 
-    total = compute_s + tp_comm_s + cp_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
+    total = compute_s + tp_comm_s + cp_comm_s + ep_comm_s + dp_comm_s + pp_comm_s + bubble_s + offload_s + optimizer_s
     tokens_per_s = workload.tokens / total
     return StepTime(compute_s=compute_s, recompute_s=recompute_s, elementwise_s=ew_s, tp_comm_s=tp_comm_s,
                     cp_comm_s=cp_comm_s, dp_comm_s=dp_comm_s, pp_comm_s=pp_comm_s, bubble_s=bubble_s,
                     offload_s=offload_s, optimizer_s=optimizer_s, total_s=total, tokens_per_s=tokens_per_s,
-                    mfu=tokens_per_s * fpt / (layout.world_size * peak), operators_s=ops_s)
+                    mfu=tokens_per_s * fpt / (layout.world_size * peak), operators_s=ops_s, ep_comm_s=ep_comm_s)

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshfit.hardware.kernels import flash_fraction, kernel_rates
-from meshfit.planner.memory.activations import mlp_width
 
 if TYPE_CHECKING:
     from meshfit.hardware.catalog import GPU
@@ -120,13 +119,27 @@ def linear_s(tokens: int, n_in: float, n_out: float, gpu: GPU, precision: str,
 def block_linears(model: ModelConfig, tp: int) -> tuple[tuple[float, float], ...]:
     """(inputs, outputs) of each linear layer of a block on one tensor-parallel rank: the query, key and
     value projections and the FFN's up (and gate) split by columns, the output projections by rows. A
-    Mixture-of-Experts block counts as its router and one SwiGLU as wide as a token's experts together
-    (balanced routing: each expert's GEMM gets its share of the tokens)."""
-    h, f = model.dim, mlp_width(model)
+    Mixture-of-Experts block's: the router and its shared experts' SwiGLU (its routed experts' GEMMs are
+    ``_expert_s``'s)."""
+    h, f = model.dim, model.moe_shared_experts * model.moe_hidden if model.moe else model.ffn_hidden
     q, kv = model.q_width, model.n_kv_heads * model.head_size
-    up = ((h, f / tp),) * (2 if model.family == "llama" else 1)  # SwiGLU's gate and up, or GPT's up
+    up = ((h, f / tp),) * (2 if model.family == "llama" else 1) if f else ()  # SwiGLU's gate and up, or GPT's
     router = ((h, model.moe_experts),) if model.moe else ()
-    return ((h, q / tp), (h, kv / tp), (h, kv / tp), (q / tp, h), *router, *up, (f / tp, h))
+    down = ((f / tp, h),) if f else ()
+    return ((h, q / tp), (h, kv / tp), (h, kv / tp), (q / tp, h), *router, *up, *down)
+
+
+def _expert_s(model: ModelConfig, gpu: GPU, precision: str, mb_tokens: int, ep: int, imbalance: float,
+              bandwidth: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE block's routed-expert GEMMs on the most-loaded rank per
+    micro-batch: its E/ep experts, each a SwiGLU over its routed copies (planner/timing/experts.py)."""
+    from meshfit.planner.timing.experts import expert_gemms
+
+    local, copies = expert_gemms(model, mb_tokens, ep, imbalance)
+    h, f = model.dim, model.moe_hidden
+    parts = [linear_s(copies, h, f, gpu, precision, bandwidth)] * 2 + [linear_s(copies, f, h, gpu, precision,
+                                                                                bandwidth)]
+    return local * sum(p[0] for p in parts), local * sum(p[1] for p in parts)
 
 
 def _flash_s(model: ModelConfig, gpu: GPU, precision: str, seq: int, tp: int, cp: int) -> tuple[float, float]:
@@ -159,11 +172,20 @@ def _eager_s(model: ModelConfig, gpu: GPU, precision: str, seq: int, tp: int, cp
 
 @functools.lru_cache(maxsize=1024)
 def kernel_times(model: ModelConfig, gpu: GPU, precision: str, attention: str, mb_tokens: int, seq: int, tp: int,
-                 cp: int, bandwidth: float) -> KernelTimes:
+                 cp: int, bandwidth: float, ep: int = 1, imbalance: float = 1.0) -> KernelTimes:
     """Seconds per token of a rank's matmuls and attention core on ``gpu``: micro-batches of ``mb_tokens``
     tokens per rank (their sequences' 1/cp under context parallelism) of ``seq``-token sequences, 1/tp of
-    every block's and the head's weights."""
+    every block's and the head's weights. A Mixture-of-Experts model's block is the mean of its dense and
+    MoE blocks (experts split over ``ep`` ranks, the most-loaded one ``imbalance`` times the balanced share)."""
     block = [linear_s(mb_tokens, n_in, n_out, gpu, precision, bandwidth) for n_in, n_out in block_linears(model, tp)]
+    if model.moe:
+        from meshfit.planner.memory.activations import dense_model
+
+        dense = [linear_s(mb_tokens, n_in, n_out, gpu, precision, bandwidth)
+                 for n_in, n_out in block_linears(dense_model(model), tp)]
+        block.append(_expert_s(model, gpu, precision, mb_tokens, ep, imbalance, bandwidth))
+        share = model.moe_layers / model.n_layers  # the mean block: dense first blocks and MoE blocks
+        block = [(f * share, b * share) for f, b in block] + [(f * (1 - share), b * (1 - share)) for f, b in dense]
     head_fwd, head_bwd = linear_s(mb_tokens, model.dim, model.padded_vocab / tp, gpu, precision, bandwidth)
     if attention == "eager":
         core_fwd, core_bwd = _eager_s(model, gpu, precision, seq, tp, cp, bandwidth)
