@@ -1,6 +1,7 @@
 """Mixture-of-Experts layouts: the planner's per-rank peak against `meshfit verify`, component by component.
 
-    python benchmarks/planner/moe_plan_accuracy.py            # small-moe on 4 ranks: ep 1/2/4 × ZeRO 1/2/3
+    python benchmarks/planner/moe_plan_accuracy.py            # small-moe on 4 ranks: ep 1/2/4 × ZeRO 1/2/3,
+                                                              # planned, dry run and a real 4-rank CPU run
     python benchmarks/planner/moe_plan_accuracy.py --scale    # Mixtral 8x7B at 64 ranks, Qwen3-30B-A3B at 8-64
     python benchmarks/planner/moe_plan_accuracy.py --only ep=8
     python benchmarks/planner/moe_plan_accuracy.py --scale --measured runs/moe-scale.json  # keep dry runs
@@ -80,8 +81,30 @@ def dry_run(case: Case) -> dict[str, int]:
     return measured
 
 
-# The reference column first; every other column is compared with it.
+def real_run(case: Case) -> dict[str, int]:
+    """A real run of the case on local CPU ranks (gloo), 3 steps: the tracker's breakdown of the most-loaded
+    rank in the step of its peak (steps 2-3: optimizer states exist), as `meshfit demo` reads it."""
+    import tempfile
+
+    from meshfit.demo.trial import peak_step
+    from meshfit.dryrun.verify import verify_config
+    from meshfit.train.launch import launch
+
+    cfg = verify_config(case.model, case.layout, case.workload)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 3, "log_every": 1})})
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome = launch(cfg, Path(tmp) / "run", case.layout.world_size)
+        if not outcome.ok:
+            raise SystemExit(f"{case.name}: the real run failed: {outcome.message}")
+        _, mem = peak_step(Path(tmp) / "run", outcome.result)
+    worst = max(mem, key=lambda m: m["peak"])
+    return {"params": worst["params"], "grads": worst["grads"], "optim": worst["optim"],
+            "activations": worst["activations"], "buffers": worst["other"], "total": worst["peak"]}
+
+
+# The reference column first; every other column is compared with it. Real runs: the small cases only.
 COLUMNS: dict[str, Callable[[Case], dict[str, int]]] = {"verify": dry_run, "plan": planned}
+REAL = {"real": real_run}
 
 
 def _error(value: int, reference: int) -> str:
@@ -108,12 +131,13 @@ def main() -> None:
     kept = json.loads(args.measured.read_text()) if args.measured and args.measured.exists() else {}
     for case in (c for c in cases if args.only in c.name):
         row = kept.setdefault(case.name, {})
-        for name, column in COLUMNS.items():
+        columns = COLUMNS if args.scale else {**COLUMNS, **REAL}
+        for name, column in columns.items():
             if name == "plan" or name not in row:
                 row[name] = column(case)
         if args.measured:
             args.measured.write_text(json.dumps(kept, indent=1) + "\n")
-        print_row(case, {name: row[name] for name in COLUMNS}, unit, unit_name)
+        print_row(case, {name: row[name] for name in columns}, unit, unit_name)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ class Entry:
                 "error": self.error, "why": self.why, "wall_s": round(self.wall_s, 1)}
 
 
-def _peak_step(run_dir: Path, result: dict[str, Any]) -> tuple[int, list[dict[str, int]]]:
+def peak_step(run_dir: Path, result: dict[str, Any]) -> tuple[int, list[dict[str, int]]]:
     """The peak and every rank's breakdown in the step that reached it (metrics.jsonl); result.json's `mem`
     is the last step's, which can sit below the peak."""
     records = []
@@ -165,7 +165,7 @@ def run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
     outcome = _launch(trial.config(f"train.memory_budget={budget}"), root / trial.name, nproc)
     if outcome.ok:
         res = outcome.result
-        peak, mem = _peak_step(root / trial.name, res)
+        peak, mem = peak_step(root / trial.name, res)
         return Entry(trial.name, True, peak, res["final_loss"], trial.why, nproc, time.monotonic() - start, mem,
                      predicted=estimate.as_dict(), predicted_phase=estimate.phase)
     label = "over budget" if (outcome.failure or {}).get("budget") else "failed"
@@ -173,7 +173,7 @@ def run_trial(trial: Trial, root: Path, budget: str, console: Console) -> Entry:
     console.print(f"  measuring what it needs: {PROBE_STEPS} steps without the budget")
     probe_dir = root / f"{trial.name}-unbounded"
     probe = _launch(trial.config(f"train.steps={PROBE_STEPS}"), probe_dir, nproc)
-    peak, mem = _peak_step(probe_dir, probe.result) if probe.ok else (None, [])
+    peak, mem = peak_step(probe_dir, probe.result) if probe.ok else (None, [])
     error = outcome.message
     if not probe.ok:
         console.print(f"  [red]the run without the budget failed too[/red]: {failure_line(probe)}")
