@@ -24,15 +24,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.layout.data_parallel_kind import stashes_gradients
+from meshfit.layout.expert_sharding import expert_shard_dim
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.fsdp_units import sub_units
 
@@ -93,7 +95,9 @@ def precision_policy(stage: int, mixed_precision: bool, reduce_dtype: str = "fp3
 class ExpertSharding:
     """Expert parallelism's routed experts under FSDP: each block's expert module (its ep shard, a DTensor over
     the expert mesh's ep dimension) is a unit of its own, sharded over the expert data-parallel `mesh`
-    (edp, or (dp_replicate, edp) as HSDP), with its gradients divided by `divide_factor`."""
+    (edp, or (dp_replicate, edp) as HSDP), with its gradients divided by `divide_factor`. FSDP splits the
+    dimension layout/expert_sharding.py names: an expert's rows (dim 1) where the local experts do not split
+    evenly over edp, so no rank keeps padding."""
 
     modules: list[nn.Module]
     mesh: DeviceMesh
@@ -120,7 +124,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     expert_units = set(experts.modules) if experts is not None else set()
     for block in model.layers.values():
         for unit in (m for m in block.modules() if m in expert_units):
-            fully_shard(unit, mesh=experts.mesh, mp_policy=block_policy, **kwargs)
+            fully_shard(unit, mesh=experts.mesh, mp_policy=block_policy,
+                        shard_placement_fn=_expert_placement(unit, experts.mesh), **kwargs)
             unit.set_gradient_divide_factor(experts.divide_factor)
             # gloo has no pre-multiplied sum: sum, then divide. (Where the shard dimension has one rank, FSDP
             # divides without a reduce-scatter, and would divide a second time after HSDP's all-reduce if
@@ -137,6 +142,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     # Tensor-parallel logits come back as a view of the local shard; the loss reads them out of place, so
     # FSDP's warning about in-place ops on a returned view does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def _expert_placement(unit: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard]:
+    """FSDP's placement for every parameter of an expert unit (w1/w2/w3: ep shards of `local` experts each),
+    over the last dimension of `mesh` (edp; HSDP replicates over the first)."""
+    params = list(unit.parameters())
+    local = _local(params[0]).size(0)
+    placement = Shard(expert_shard_dim(local, mesh.size(mesh.ndim - 1), [p.size(1) for p in params]))
+    return lambda _param: placement
 
 
 def _prefetch_on_host(model: FSDPModule) -> None:
