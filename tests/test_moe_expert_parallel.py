@@ -5,7 +5,7 @@ biases, each rank holding half of the experts; with a capacity factor (copies dr
 exchange) and the auxiliary loss on 2 ranks too. A run saved under ep 2 resumes under ep 1 with the same
 losses (the experts are stored at global shape). With 6 experts, ep 2 over 4 ranks leaves 3 local experts
 for 2 edp ranks: ZeRO-3 then splits each expert's rows (dim 1, layout/expert_sharding.py) and trains as one
-process does, and a run saved so resumes under ep 1."""
+process does, as ep 1 does with its 6 experts over 4 ranks, and a run saved under ep 2 resumes under ep 1."""
 
 import pytest
 from dist_jobs import moe_layouts_job, parity_config
@@ -71,7 +71,10 @@ def test_three_local_experts_over_two_ranks_split_expert_rows_train_as_one_proce
     ref = _reference(4, plain=six)["plain"]
     rows, ep1 = (parity_config(*BASE, *six, "parallel.dp_shard=4", "parallel.zero_stage=3", *ep)
                  for ep in (["parallel.ep=2"], []))
-    out = run_ranks(moe_layouts_job, 4, {"rows": rows}, (rows, ep1, str(tmp_path / "resume")), timeout_s=360)[0]
+    out = run_ranks(moe_layouts_job, 4, {"rows": rows, "ep1": ep1}, (rows, ep1, str(tmp_path / "resume")),
+                    timeout_s=360)[0]
     _held(out["rows"], 3, total=6, rows=2)  # no padding: half of each of the 3 local experts' rows
+    _held(out["ep1"], 6, total=6, rows=4)  # without ep, 6 experts over 4 ranks: a quarter of every expert
     _same(out["rows"], ref)
+    _same(out["ep1"], ref)
     assert _close(out["resumed"], ref["losses"]) <= 1e-5
