@@ -3,7 +3,9 @@ and ep 2 over 4 data-parallel ranks (ZeRO-3 then shards each ep shard over the 2
 dropless, 10 steps: the same losses and gradient norms (≤ 1e-5), the same tokens per expert and expert
 biases, each rank holding half of the experts; with a capacity factor (copies dropped before the
 exchange) and the auxiliary loss on 2 ranks too. A run saved under ep 2 resumes under ep 1 with the same
-losses (the experts are stored at global shape)."""
+losses (the experts are stored at global shape). With 6 experts, ep 2 over 4 ranks leaves 3 local experts
+for 2 edp ranks: ZeRO-3 then splits each expert's rows (dim 1, layout/expert_sharding.py) and trains as one
+process does, as ep 1 does with its 6 experts over 4 ranks, and a run saved under ep 2 resumes under ep 1."""
 
 import pytest
 from dist_jobs import moe_layouts_job, parity_config
@@ -33,11 +35,11 @@ def _reference(ranks: int, **variants: list[str]) -> dict:
     return run_ranks(moe_layouts_job, 1, cfgs)[0]
 
 
-def _held(run: dict, experts: int) -> None:
-    # tiny-moe: 8 experts of width 32 over dim 64; each rank holds `experts` of them (its ep shard, split
-    # again by ZeRO-3 over the ranks that hold the same ep shard).
-    assert run["shapes"]["w1"] == ((8, 32, 64), (experts, 32, 64))
-    assert run["shapes"]["w2"] == ((8, 64, 32), (experts, 64, 32))
+def _held(run: dict, experts: int, total: int = 8, rows: int = 1) -> None:
+    # tiny-moe: `total` experts of width 32 over dim 64; each rank holds `experts` of them (its ep shard, split
+    # again by ZeRO-3 over the ranks that hold the same ep shard), `1 / rows` of each one's rows.
+    assert run["shapes"]["w1"] == ((total, 32, 64), (experts, 32 // rows, 64))
+    assert run["shapes"]["w2"] == ((total, 64, 32), (experts, 64 // rows, 32))
 
 
 def test_ep2_on_two_ranks_trains_as_one_process_and_resumes_under_ep1(tmp_path) -> None:
@@ -61,3 +63,18 @@ def test_ep2_over_four_data_parallel_ranks_trains_as_one_process_under_each_zero
     for stage in (1, 2, 3):
         _held(out[f"zero{stage}"], 2)  # between steps each ep shard is split over the 2 ranks that hold it
         _same(out[f"zero{stage}"], ref)
+
+
+def test_three_local_experts_over_two_ranks_split_expert_rows_train_as_one_process_and_resume_under_ep1(
+        tmp_path) -> None:
+    six = ["model.moe_experts=6"]
+    ref = _reference(4, plain=six)["plain"]
+    rows, ep1 = (parity_config(*BASE, *six, "parallel.dp_shard=4", "parallel.zero_stage=3", *ep)
+                 for ep in (["parallel.ep=2"], []))
+    out = run_ranks(moe_layouts_job, 4, {"rows": rows, "ep1": ep1}, (rows, ep1, str(tmp_path / "resume")),
+                    timeout_s=360)[0]
+    _held(out["rows"], 3, total=6, rows=2)  # no padding: half of each of the 3 local experts' rows
+    _held(out["ep1"], 6, total=6, rows=4)  # without ep, 6 experts over 4 ranks: a quarter of every expert
+    _same(out["rows"], ref)
+    _same(out["ep1"], ref)
+    assert _close(out["resumed"], ref["losses"]) <= 1e-5

@@ -21,7 +21,7 @@ from meshfit.models import get_preset
 from meshfit.models.moe import Router, balanced_counts
 from meshfit.planner.memory.activations import block_activation_bytes, dense_model
 from meshfit.planner.memory.estimate import estimate_memory
-from meshfit.planner.memory.experts import routed_params
+from meshfit.planner.memory.experts import experts_per_rank, gathered_experts, routed_params, shard_dim
 from meshfit.planner.search import search
 from meshfit.planner.timing.estimate import step_time
 
@@ -51,15 +51,33 @@ def test_expert_states_keep_their_bytes_under_every_ep_and_zero_stage() -> None:
             assert got.rest[2] == pytest.approx(base.rest[2], rel=1e-3), (stage, ep)
 
 
-def test_fewer_local_experts_than_edp_ranks_leave_whole_experts_on_the_first_ranks() -> None:
-    """FSDP shards rows of the expert dimension: Mixtral's one local expert at ep 8 over 64 ranks stays whole
-    on rank 0 (8 times the even share of the routed experts' optimizer states)."""
-    model = get_preset("mixtral-8x7b")
+def test_fewer_local_experts_than_edp_ranks_with_uneven_rows_leave_whole_experts_on_the_first_ranks() -> None:
+    """FSDP shards rows of the expert dimension where an expert's rows do not split evenly either (a width of
+    14335 over 8 ranks): one local expert at ep 8 over 64 ranks stays whole on rank 0 (8 times the even share
+    of the routed experts' optimizer states)."""
+    model = dataclasses.replace(get_preset("mixtral-8x7b"), moe_ffn_hidden=14335)
     work = Workload(seq_len=4096, global_batch=64)
+    layout = Layout(dp_shard=64, zero_stage=3, ep=8)
+    assert shard_dim(model, layout) == 0 and gathered_experts(model, layout) == 8
     even = estimate_memory(model, Layout(dp_shard=64, zero_stage=3), work).rest[2]
-    whole = estimate_memory(model, Layout(dp_shard=64, zero_stage=3, ep=8), work).rest[2]
+    whole = estimate_memory(model, layout, work).rest[2]
     routed = model.moe_layers * routed_params(model) * 8  # AdamW's two fp32 moments
     assert whole - even == pytest.approx(routed / 8 - routed / 64, rel=1e-3)
+
+
+@pytest.mark.parametrize("ep", [2, 8])
+def test_local_experts_that_do_not_split_over_edp_split_their_rows_with_no_padding(ep: int) -> None:
+    """Mixtral's 8 experts at 64 ranks: 4 local experts over 32 edp ranks (ep 2), 1 over 8 (ep 8). FSDP splits
+    each expert's rows (layout/expert_sharding.py): every rank keeps the even share of the states, and a
+    block's all-gather brings its E/ep experts, not padded rows."""
+    model = get_preset("mixtral-8x7b")
+    work = Workload(seq_len=4096, global_batch=64)
+    layout = Layout(dp_shard=64, zero_stage=3, ep=ep)
+    assert shard_dim(model, layout) == 1 and gathered_experts(model, layout) == 8 // ep
+    assert experts_per_rank(model, layout) == pytest.approx(8 / 64)
+    even = estimate_memory(model, Layout(dp_shard=64, zero_stage=3), work).rest
+    split = estimate_memory(model, layout, work).rest
+    assert split[2] == pytest.approx(even[2], rel=1e-3)  # optimizer states
 
 
 def test_dense_first_blocks_count_as_dense_blocks() -> None:
@@ -141,6 +159,22 @@ def test_plan_and_dry_run_of_expert_parallelism_agree_within_5_percent(layout: L
     parts = ("params", "grads", "optim", "activations", "total") if each_part else ("total",)
     for part in parts:
         assert planned[part] == pytest.approx(measured[part], rel=0.05), (part, planned, measured)
+
+
+@pytest.mark.timeout(400)
+def test_plan_and_dry_run_agree_within_5_percent_where_experts_split_their_rows() -> None:
+    """`small-moe` with 6 experts, ep 2 on 4 ranks: 3 local experts over 2 edp ranks, split on their rows. ZeRO-1
+    every component; ZeRO-3 the total (its gathered units: see above). A plan that counted FSDP's padded
+    expert rows (2 of the 3 experts on a rank) would count a third more of the routed experts' states."""
+    model = dataclasses.replace(get_preset("small-moe"), moe_experts=6)
+    work = Workload(seq_len=512, global_batch=8)
+    for stage, parts in ((1, ("params", "grads", "optim", "activations", "total")), (3, ("total",))):
+        layout = Layout(dp_shard=4, zero_stage=stage, ep=2)
+        assert shard_dim(model, layout) == 1
+        measured = verify_layout(model, layout, work).measured
+        planned = estimate_memory(model, layout, work).as_dict()
+        for part in parts:
+            assert planned[part] == pytest.approx(measured[part], rel=0.05), (stage, part, planned, measured)
 
 
 def _meshfit(*args: str, cwd: Path) -> subprocess.CompletedProcess:

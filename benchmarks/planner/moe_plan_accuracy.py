@@ -53,8 +53,10 @@ SCALE = [
     Case("mixtral-8x7b", Layout(dp_shard=64, zero_stage=3, ep=8), Workload(seq_len=4096, global_batch=64)),
     Case("mixtral-8x7b", Layout(dp_replicate=8, dp_shard=8, zero_stage=3, ep=8),
          Workload(seq_len=4096, global_batch=64)),
-    # 4 local experts over 32 edp ranks: FSDP's padded row chunks (planner/memory/experts.py), a known gap.
+    # 4 local experts over 32 edp ranks, and without ep 8 experts over 64 ranks: FSDP splits the experts'
+    # rows where the experts do not split evenly (layout/expert_sharding.py).
     Case("mixtral-8x7b", Layout(dp_shard=64, zero_stage=3, ep=2), Workload(seq_len=4096, global_batch=64)),
+    Case("mixtral-8x7b", Layout(dp_shard=64, zero_stage=3), Workload(seq_len=4096, global_batch=64)),
     *(Case(_Q, Layout(dp_shard=n, zero_stage=3, ep=ep), Workload(seq_len=4096, global_batch=n))
       for n, eps in ((8, (1, 2, 8)), (16, (4, 16)), (32, (8,)), (64, (16, 64))) for ep in eps),
 ]

@@ -24,15 +24,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.layout.data_parallel_kind import stashes_gradients
+from meshfit.layout.expert_sharding import expert_shard_dim
+from meshfit.models.moe import GroupedExperts
 from meshfit.parallel.dims import Meshes, ParallelDims
 from meshfit.parallel.fsdp_units import sub_units
 
@@ -93,7 +96,9 @@ def precision_policy(stage: int, mixed_precision: bool, reduce_dtype: str = "fp3
 class ExpertSharding:
     """Expert parallelism's routed experts under FSDP: each block's expert module (its ep shard, a DTensor over
     the expert mesh's ep dimension) is a unit of its own, sharded over the expert data-parallel `mesh`
-    (edp, or (dp_replicate, edp) as HSDP), with its gradients divided by `divide_factor`."""
+    (edp, or (dp_replicate, edp) as HSDP), with its gradients divided by `divide_factor`. FSDP splits the
+    dimension layout/expert_sharding.py names: an expert's rows (dim 1) where the local experts do not split
+    evenly over edp, so no rank keeps padding."""
 
     modules: list[nn.Module]
     mesh: DeviceMesh
@@ -118,9 +123,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
     # would make a 16-bit copy of Llama's fp32 RoPE tables in every block (and rotate in 16 bits).
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     expert_units = set(experts.modules) if experts is not None else set()
+    # Routed experts that stay in their block's units (no expert parallelism) split by the same rule.
+    in_blocks = _expert_placements([m for m in model.modules() if isinstance(m, GroupedExperts)
+                                    and m not in expert_units], mesh)
     for block in model.layers.values():
         for unit in (m for m in block.modules() if m in expert_units):
-            fully_shard(unit, mesh=experts.mesh, mp_policy=block_policy, **kwargs)
+            fully_shard(unit, mesh=experts.mesh, mp_policy=block_policy,
+                        shard_placement_fn=_expert_placements([unit], experts.mesh), **kwargs)
             unit.set_gradient_divide_factor(experts.divide_factor)
             # gloo has no pre-multiplied sum: sum, then divide. (Where the shard dimension has one rank, FSDP
             # divides without a reduce-scatter, and would divide a second time after HSDP's all-reduce if
@@ -129,14 +138,27 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, mixed_precisio
                 unit.set_force_sum_reduction_for_comms(True)
         for unit in sub_units(block, max_unit_params):
             if unit not in expert_units:
-                fully_shard(unit, mesh=mesh, mp_policy=block_policy, **kwargs)
-        fully_shard(block, mesh=mesh, mp_policy=block_policy, **kwargs)
+                fully_shard(unit, mesh=mesh, mp_policy=block_policy, shard_placement_fn=in_blocks, **kwargs)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, shard_placement_fn=in_blocks, **kwargs)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, **kwargs)
     if mesh.device_type == "cpu":
         _prefetch_on_host(model)
     # Tensor-parallel logits come back as a view of the local shard; the loss reads them out of place, so
     # FSDP's warning about in-place ops on a returned view does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def _expert_placements(modules: list[nn.Module], mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP's placement for each parameter of the routed experts `modules` (w1/w2/w3: `local` experts each,
+    an ep shard's or all of a block's), over the last dimension of `mesh` (HSDP replicates over the first):
+    the dimension layout/expert_sharding.py gives; None (FSDP's default, dim 0) for every other parameter."""
+    ranks = mesh.size(mesh.ndim - 1)
+    chosen: dict[int, Shard] = {}
+    for experts in modules:
+        params = list(experts.parameters(recurse=False))
+        dim = expert_shard_dim(_local(params[0]).size(0), ranks, [p.size(1) for p in params])
+        chosen.update((id(p), Shard(dim)) for p in params)
+    return lambda param: chosen.get(id(param))
 
 
 def _prefetch_on_host(model: FSDPModule) -> None:

@@ -7,7 +7,9 @@ parameters keep their global shape as DTensors `Shard(0)` over `ep`, so checkpoi
 
 Data parallelism of the expert shards: each rank's shard is FSDP-sharded (the layout's ZeRO stage) over the
 ranks that hold the same experts, `edp` = dp_shard × cp / ep (with dp_replicate, HSDP), one FSDP unit per
-block's experts (parallel/data_parallel.py), so ZeRO-3 gathers a layer's E/ep local experts, not all E.
+block's experts (parallel/data_parallel.py), so ZeRO-3 gathers a layer's E/ep local experts, not all E. Where
+E/ep does not split evenly over edp, FSDP splits each expert's rows instead of the expert dimension
+(layout/expert_sharding.py), so no rank keeps or gathers padded experts.
 Gradients: the backward all-to-all brings every ep rank's contribution to an expert's gradient to the rank
 that holds it; FSDP's reduction over edp then gives the sum over every data-parallel rank, which is divided
 by the full data-parallel size (FSDP's gradient divide factor), as the dense gradients are averaged.

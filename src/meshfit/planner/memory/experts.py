@@ -9,6 +9,9 @@ E/ep of each Mixture-of-Experts block's routed experts. What is kept of them:
   ``routed / (ep · edp)`` parameters per rank, the same bytes as the dense part's ``/ (dp_shard·cp)``.
 * **Gathered copies**: each block's experts are an FSDP unit of their own; FSDP gathers a block's E/ep local
   experts at a time, so a block's units are those of a block with E/ep experts.
+* **Padding**: where E/ep does not split evenly over edp, FSDP splits each expert's rows (dim 1) when they
+  split evenly (layout/expert_sharding.py), an even share; else the expert dimension in padded chunks
+  (``experts_per_rank``, ``gathered_experts``).
 
 The router gate, norms, shared experts and dense blocks are dense parameters (sharded over dp_shard·cp).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from meshfit.layout.expert_sharding import expert_shard_dim
 from meshfit.layout.layout import Layout
 from meshfit.models.config import ModelConfig, moe_mlp_params
 from meshfit.planner.memory.shares import Share
@@ -38,19 +42,30 @@ def expert_shard_ranks(layout: Layout) -> int:
     return edp(layout) if layout.zero_stage >= 1 else 1
 
 
-def rows_per_rank(model: ModelConfig, layout: Layout) -> int:
-    """Experts (rows of the expert dimension) the most-loaded rank keeps of its E/ep: FSDP shards a
-    parameter by rows of its first dimension in chunks of ⌈rows / ranks⌉, so with fewer local experts than
-    edp ranks the first ranks keep a whole expert each and the others none (Mixtral's 8 experts at ep 8
-    over 64 ranks: rank 0 keeps its expert whole, 8 times the even share)."""
+def shard_dim(model: ModelConfig, layout: Layout) -> int:
+    """The dimension FSDP splits a rank's E/ep experts on over the edp ranks (layout/expert_sharding.py): 0,
+    or 1 (an expert's F or D rows) where the experts do not split evenly and the rows do."""
     local = model.moe_experts // layout.ep
-    return math.ceil(local / expert_shard_ranks(layout))
+    return expert_shard_dim(local, expert_shard_ranks(layout), (model.moe_hidden, model.dim))
+
+
+def experts_per_rank(model: ModelConfig, layout: Layout) -> float:
+    """Experts' worth of weights the most-loaded rank keeps of its E/ep. Split on dim 1, the even share
+    E/ep / edp. Split on dim 0, FSDP takes rows of the expert dimension in chunks of ⌈rows / ranks⌉, so with
+    fewer local experts than edp ranks (and rows that do not split evenly either) the first ranks keep a whole
+    expert each and the others none."""
+    local = model.moe_experts // layout.ep
+    ranks = expert_shard_ranks(layout)
+    return local / ranks if shard_dim(model, layout) == 1 else math.ceil(local / ranks)
 
 
 def gathered_experts(model: ModelConfig, layout: Layout) -> int:
-    """Experts one all-gather of a block's local experts brings in: FSDP gathers every rank's chunk padded
-    to ⌈rows / ranks⌉, so ⌈E/ep / edp⌉ · edp experts, E/ep when they split evenly."""
-    return rows_per_rank(model, layout) * expert_shard_ranks(layout)
+    """Experts one all-gather of a block's local experts brings in: E/ep split on dim 1; split on dim 0 FSDP
+    gathers every rank's chunk padded to ⌈rows / ranks⌉, so ⌈E/ep / edp⌉ · edp experts (E/ep when even)."""
+    local = model.moe_experts // layout.ep
+    if shard_dim(model, layout) == 1:
+        return local
+    return math.ceil(local / expert_shard_ranks(layout)) * expert_shard_ranks(layout)
 
 
 def local_experts_model(model: ModelConfig, ep: int) -> ModelConfig:
@@ -85,13 +100,13 @@ def _whole_on_tp_ranks(model: ModelConfig, layout: Layout, share: Share) -> Shar
 def ep_share(model: ModelConfig, layout: Layout, share: Share) -> Share:
     """``share`` (built from ``local_experts_model``) with ``params`` the count whose ``1 / (dp_shard·cp)``
     is what this rank keeps of weights, gradients and optimizer states: the dense part's share plus its
-    chunk of the local experts (``rows_per_rank``), and ``unit_params`` the largest FSDP unit: a block's
+    chunk of the local experts (``experts_per_rank``), and ``unit_params`` the largest FSDP unit: a block's
     experts are a unit of their own, gathered as ``gathered_experts`` says."""
     share = _whole_on_tp_ranks(model, layout, share)
     if layout.ep == 1 or not model.moe:
         return share
     local = model.moe_experts // layout.ep
-    mine = local_routed(model, layout, share) * rows_per_rank(model, layout) / local
+    mine = local_routed(model, layout, share) * experts_per_rank(model, layout) / local
     surplus = mine * layout.shard - local_routed(model, layout, share)
     per_block = routed_params(model) / model.moe_experts  # one expert
     experts_unit = per_block * max(local, gathered_experts(model, layout))
