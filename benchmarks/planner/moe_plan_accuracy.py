@@ -59,6 +59,9 @@ SCALE = [
     Case("mixtral-8x7b", Layout(dp_shard=64, zero_stage=3), Workload(seq_len=4096, global_batch=64)),
     *(Case(_Q, Layout(dp_shard=n, zero_stage=3, ep=ep), Workload(seq_len=4096, global_batch=n))
       for n, eps in ((8, (1, 2, 8)), (16, (4, 16)), (32, (8,)), (64, (16, 64))) for ep in eps),
+    # The MoE MLP whole on each tp rank (routing the sequence slice under SP); cp ranks route their chunks.
+    *(Case(_Q, Layout(dp_shard=4, zero_stage=3, ep=4, **extra), Workload(seq_len=4096, global_batch=4))
+      for extra in ({"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2})),
 ]
 
 

@@ -77,13 +77,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sum_moe_grads(model: nn.Module, tp: DeviceMesh) -> None:
     """Under sequence parallelism, after the step's last backward: sum every MoE block's gradients (router,
-    shared and routed experts: whole, or FSDP or ep shards that every tp rank holds alike) over `tp`, in
-    one all-reduce."""
+    shared and routed experts: whole, or FSDP or ep shards that every tp rank holds alike) over `tp`, each
+    in place. One all-reduce per gradient, all in flight at once: packing them into one buffer would add a
+    copy of every MoE gradient at the step's peak (27.7 GiB per rank for Qwen3-30B-A3B at dp_shard 4 × tp 2
+    × ep 4, measured by the dry run)."""
     grads = [_local(p.grad) for m in model.modules() if isinstance(m, MoE) for p in m.parameters()
              if p.grad is not None]
-    if not grads:
-        return
-    packed = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(packed, group=tp.get_group())
-    parts = packed.split([g.numel() for g in grads])
-    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads, strict=True)])
+    group = tp.get_group()
+    works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
+    for work in works:
+        work.wait()

@@ -174,9 +174,7 @@ def enumerate_layouts(model: ModelConfig, workload: Workload, cluster: Cluster, 
         for cp in _cp_degrees(workload, world // tp, tp):
             sps = (False, True) if tp > 1 and workload.seq_len // cp % tp == 0 else (False,)
             for pp in (p for p in _divisors(world // (tp * cp)) if p <= model.n_layers):
-                if moe_layout_error(model, tp, pp, cp) or (model.moe and tp * cp > 1):
-                    # Mixture-of-Experts models train under tp and cp too (layout/model_fit.py), but the
-                    # memory model would split their experts by tp like dense MLPs: not proposed yet.
+                if moe_layout_error(model, tp, pp, cp):
                     continue
                 yield from _layouts(model, workload, world // (tp * cp * pp), tp, cp, pp, sps, acs, offloads,
                                     micro_batch)
