@@ -1,6 +1,7 @@
 """Pipeline parallelism trains a Mixture-of-Experts model as one process does (fp32, dropless, the auxiliary
-loss and the expert bias on, 10 steps): pp 2 on 2 ranks under 1F1B, interleaved 1F1B (2 stages per rank),
-GPipe and ZBV (split backward, ZeRO-1), and ep 2 × pp 2 on 4 ranks (dp_shard 2): the same losses and
+loss and the expert bias on, 10 steps): pp 2 on 2 ranks under every schedule meshfit runs — 1F1B,
+interleaved 1F1B (2 stages per rank), GPipe, and the split-backward ZBV, interleaved zero-bubble and DualPipeV
+(ZeRO-1) — and ep 2 × pp 2 on 4 ranks (dp_shard 2): the same losses and
 gradient norms (≤ 1e-5), the same auxiliary loss (≤ 1e-6) and tokens per expert of every layer in every
 step record (a stage holds some blocks: the counts of the others come from the other stages) and the same
 expert biases. A run saved after 5 steps under pp 2 resumes on one process with the same losses.
@@ -27,6 +28,8 @@ SCHEDULES = {
     "interleaved-1f1b": [*PP2, "pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2"],
     "gpipe": [*PP2, "pipeline.schedule=gpipe"],
     "zbv": [*PP2, "pipeline.schedule=zbv", "parallel.zero_stage=1"],
+    "interleaved-zb": [*PP2, "pipeline.schedule=interleaved-zb", "pipeline.virtual_stages=2", "parallel.zero_stage=1"],
+    "dualpipev": [*PP2, "pipeline.schedule=dualpipev", "parallel.zero_stage=1"],
 }
 
 
